@@ -53,7 +53,9 @@ def _render(rows: list[dict]) -> str:
     for r in rows:
         bounded = ""
         if r.get("resident_bytes") is not None:
-            bounded = f"{r['component']}: {_mib(r['resident_bytes'])} / {_mib(r['unbounded_bytes'])}"
+            bounded = (
+                f"{r['component']}: {_mib(r['resident_bytes'])} / {_mib(r['unbounded_bytes'])}"
+            )
         out = r["output"].replace("|", "\\|").replace("\n", " ")
         lines.append(
             f"| {r['name']} | {_mib(r['peak_rss_bytes'])} | {bounded} "

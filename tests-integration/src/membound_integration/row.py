@@ -35,9 +35,7 @@ def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24, **k
     ids = tokenizer(prompt, return_tensors="pt")
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(
-            **ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
-        )
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     seconds = time.perf_counter() - start
     new = out[0, ids.input_ids.shape[1] :]
     text = tokenizer.decode(new, skip_special_tokens=True).strip()

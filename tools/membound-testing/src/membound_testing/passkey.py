@@ -14,7 +14,7 @@ def passkey_prompt(tokenizer, n_tokens: int, key: int, depth: float) -> str:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     per_filler = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
     n_filler = max(1, n_tokens // per_filler)
-    at = int(round(n_filler * depth))
+    at = round(n_filler * depth)
     line = f"The pass key is {key}. Remember it. {key} is the pass key. "
     body = FILLER * at + line + FILLER * (n_filler - at)
     return (

@@ -1,0 +1,114 @@
+"""Run every package's benchmarks in its own environment and render the measured tables.
+
+`hatch run bench` runs `hatch run <package>:bench` for each package (each benchmark writes
+JSON to packages/<package>/benchmarks/results/), then rewrites the "Measured" section of
+the root README and of each package README from that JSON. `--render-only` skips the runs.
+Only JSON written by a real run is rendered; every table carries its date and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from _common import PACKAGES, ROOT, hatch
+
+START, END = "<!-- measured:start -->", "<!-- measured:end -->"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        value = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_result(result: dict, heading: str = "###") -> str:
+    m = result.get("machine", {})
+    stamp = (
+        f"{m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+        f"{m.get('mem_gib', '?')} GiB"
+    )
+    lines = [f"{heading} {result['package']}: {result.get('title', result['benchmark'])}", ""]
+    lines.append(f"Measured {stamp} with `{result.get('command', '?')}`.")
+    lines.append("")
+    cols = result.get("columns", [])
+    if cols:
+        lines.append("| " + " | ".join(_cell(c) for c in cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        for row in result.get("rows", []):
+            lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+        lines.append("")
+    targets = result.get("targets", [])
+    if targets:
+        lines.append("| target | measured | met |")
+        lines.append("|---|---|---|")
+        for t in targets:
+            met = "yes" if t.get("met") else "**no**"
+            lines.append(f"| {_cell(t['target'])} | {_cell(t['measured'])} | {met} |")
+        lines.append("")
+    if result.get("notes"):
+        lines.append(f"Notes: {result['notes']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_results(package: str) -> list[dict]:
+    folder = ROOT / "packages" / package / "benchmarks" / "results"
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
+def replace_section(path: Path, body: str) -> bool:
+    """Replace what lies between the measured markers of ``path``; False if it has none."""
+    text = path.read_text()
+    if START not in text or END not in text:
+        return False
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(f"{head}{START}\n{body.strip()}\n{END}{tail}")
+    tmp.replace(path)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--render-only", action="store_true", help="render existing JSON only")
+    parser.add_argument("--only", nargs="*", choices=list(PACKAGES), help="packages to run")
+    parser.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    args = parser.parse_args()
+
+    packages = args.only or list(PACKAGES)
+    failed = []
+    if not args.render_only:
+        for package in packages:
+            print(f"\n===== {package}: hatch run {package}:bench =====", flush=True)
+            cmd = [hatch(), "run", f"{package}:bench"] + (["--quick"] if args.quick else [])
+            if subprocess.call(cmd, cwd=ROOT) != 0:
+                failed.append(package)
+
+    sections = []
+    for package in PACKAGES:
+        results = load_results(package)
+        if not results:
+            continue
+        body = "\n".join(render_result(r) for r in results)
+        replace_section(ROOT / "packages" / package / "README.md", body)
+        sections.append(body)
+    if sections:
+        replace_section(ROOT / "README.md", "\n".join(sections))
+        print("\n".join(sections))
+    if failed:
+        print(f"benchmarks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
