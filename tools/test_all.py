@@ -41,7 +41,7 @@ def main() -> int:
 
     steps = [(name, [f"{name}:test"]) for name in PACKAGES]
     steps.append(("memcheck", ["paired-cache:memcheck"]))
-    steps.append(("integration", ["integration"]))
+    steps.append(("integration", ["default:integration"]))
     if args.only:
         steps = [s for s in steps if s[0] in args.only]
 
