@@ -1,0 +1,144 @@
+"""``zstd-linear compress | inspect | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+
+from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
+from zstd_linear.decoder import Decoder, default_threads
+from zstd_linear.fileformat import read_file, write_file
+from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+from zstd_linear.progress import ProgressBar
+from zstd_linear.report import CompressionReport, LayerReport
+
+
+def _safetensors_files(src: Path) -> list[Path]:
+    files = sorted(src.glob("*.safetensors")) if src.is_dir() else [src]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"SRC must be a .safetensors file or a directory holding some, got {src}")
+    return files
+
+
+def _load_linear_tensors(src: Path, include: list[str], exclude: list[str]):
+    """name -> (weight, bias or None) for 2-D float ``<name>.weight`` tensors."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(src):
+        tensors.update(load_file(str(f)))
+    floats = {t for t, _ in SUPPORTED_DTYPES.values()}
+    chosen = {}
+    for key, tensor in tensors.items():
+        if not key.endswith(".weight") or tensor.dim() != 2 or tensor.dtype not in floats:
+            continue
+        name = key.removesuffix(".weight")
+        if include and not any(fnmatchcase(name, p) for p in include):
+            continue
+        if any(fnmatchcase(name, p) for p in exclude):
+            continue
+        chosen[name] = (tensor, tensors.get(f"{name}.bias"))
+    if not chosen:
+        raise ValueError(f"no 2-D float '*.weight' tensor in {src} matches the filters")
+    return chosen
+
+
+def cmd_compress(args) -> int:
+    config = CodecConfig(level=args.level, layout=args.layout, chunk_bytes=args.chunk_kib * 1024)
+    tensors = _load_linear_tensors(Path(args.src), args.include, args.exclude)
+    bar = ProgressBar(len(tensors))
+    entries = []
+    with ThreadPoolExecutor(args.threads) as pool:
+        encoded = pool.map(lambda item: encode_weight(item[0], config), tensors.values())
+        for (name, (_, bias)), enc in zip(tensors.items(), encoded, strict=True):
+            entries.append((name, enc, bias))
+            bar.advance(name)
+    write_file(args.out, entries)
+    report = _report(entries)
+    print(
+        f"{len(entries)} layers, {report.original_bytes} -> {report.compressed_bytes} bytes "
+        f"(ratio {report.ratio:.3f}) written to {args.out}"
+    )
+    return 0
+
+
+def _report(entries) -> CompressionReport:
+    return CompressionReport(
+        [
+            LayerReport(name, e.dtype, e.shape, e.layout, e.original_bytes, e.compressed_bytes)
+            for name, e, _ in entries
+        ]
+    )
+
+
+def cmd_inspect(args) -> int:
+    print(_report(read_file(args.file)).table())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    entries = read_file(args.file)
+    decoder = Decoder(args.threads)
+    buffers = [torch.empty(e.original_bytes, dtype=torch.uint8) for _, e, _ in entries]
+    total = sum(e.original_bytes for _, e, _ in entries)
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for (_, encoded, _), buf in zip(entries, buffers, strict=True):
+            decoder.decode_into(encoded, buf)
+        times.append(time.perf_counter() - start)
+    decoder.close()
+    median = statistics.median(times)
+    report = _report(entries)
+    print(
+        f"{len(entries)} layers, {total / 1e6:.1f} MB decoded, ratio {report.ratio:.3f}, "
+        f"{args.threads} threads: median {median * 1e3:.1f} ms = {total / median / 1e9:.2f} GB/s "
+        f"over {args.repeats} runs"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zstd-linear", description="Lossless zstd-compressed Linear weights."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compress", help="compress the Linear weights of a safetensors checkpoint")
+    c.add_argument("src", help="a .safetensors file or a directory of them")
+    c.add_argument("out", help="the .zlin file to write")
+    c.add_argument("--include", action="append", default=[], help="glob over layer names")
+    c.add_argument("--exclude", action="append", default=[], help="glob, e.g. '*embed*'")
+    c.add_argument("--level", type=int, default=3)
+    c.add_argument("--layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT)
+    c.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024)
+    c.add_argument("--threads", type=int, default=default_threads())
+    c.set_defaults(func=cmd_compress)
+    i = sub.add_parser("inspect", help="per-layer table of a .zlin file")
+    i.add_argument("file")
+    i.set_defaults(func=cmd_inspect)
+    b = sub.add_parser("bench", help="decode throughput of a .zlin file")
+    b.add_argument("file")
+    b.add_argument("--threads", type=int, default=default_threads())
+    b.add_argument("--repeats", type=int, default=5)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:
+        print(f"zstd-linear {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

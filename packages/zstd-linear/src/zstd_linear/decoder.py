@@ -1,0 +1,135 @@
+"""Parallel decoding of an EncodedWeight straight into caller-owned memory.
+
+Each chunk is one task: its zstd frames are decoded with
+``ZstdDecompressor().stream_reader(frame).readinto(buf)`` (which releases the GIL)
+into per-thread scratch planes, then joined by vectorised numpy ops (which release it
+too) into the chunk's slice of the output. Scratch and decompressors are per thread
+and reused, so a decode allocates no buffer the size of a weight.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import zstandard
+
+from zstd_linear.codec import EncodedWeight, view_weight
+from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+
+
+class DecodeError(ValueError):
+    """A frame did not decode to the size its chunk needs (corrupt data)."""
+
+
+def default_threads() -> int:
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def check_threads(threads: int | None) -> int:
+    """``threads`` itself (None -> default_threads()); ValueError unless an int >= 1."""
+    threads = default_threads() if threads is None else threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    return threads
+
+
+class _Scratch(threading.local):
+    def __init__(self):
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.buffers: dict[tuple[int, str], np.ndarray] = {}
+
+    def get(self, n: int, dtype: np.dtype, slot: int) -> np.ndarray:
+        key = (slot, dtype.str)
+        buf = self.buffers.get(key)
+        if buf is None or buf.size < n:
+            buf = self.buffers[key] = np.empty(n, dtype=dtype)
+        return buf[:n]
+
+
+def _read_frame(decompressor: zstandard.ZstdDecompressor, data: bytes, out: np.ndarray) -> None:
+    view = memoryview(out).cast("B")
+    reader = decompressor.stream_reader(data)
+    filled = 0
+    while filled < len(view):
+        n = reader.readinto(view[filled:])
+        if n == 0:
+            break
+        filled += n
+    if filled != len(view) or reader.read(1):
+        raise DecodeError(f"a zstd frame decoded to the wrong size (expected {len(view)} bytes)")
+
+
+class Decoder:
+    """Decodes EncodedWeights with ``threads`` worker threads (1 = in the calling thread)."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads = check_threads(threads)
+        self._scratch = _Scratch()
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="zstd-linear-decode")
+            if threads > 1
+            else None
+        )
+
+    def decode_into(self, encoded: EncodedWeight, out: torch.Tensor) -> None:
+        """Decode ``encoded`` into ``out``: (original_bytes,) uint8 contiguous CPU tensor."""
+        if out.dtype != torch.uint8 or out.numel() != encoded.original_bytes:
+            raise ValueError(
+                f"out must be a uint8 tensor of {encoded.original_bytes} bytes, "
+                f"got {out.dtype} of {out.numel()}"
+            )
+        target = out.numpy()
+        n_chunks = len(encoded.frames)
+        if self._pool is None or n_chunks == 1:
+            for c in range(n_chunks):
+                self._decode_chunk(encoded, c, target)
+            return
+        for future in [
+            self._pool.submit(self._decode_chunk, encoded, c, target) for c in range(n_chunks)
+        ]:
+            future.result()
+
+    def decode(self, encoded: EncodedWeight) -> torch.Tensor:
+        """A freshly allocated decoded weight, shape ``encoded.shape``, its dtype."""
+        out = torch.empty(encoded.original_bytes, dtype=torch.uint8)
+        self.decode_into(encoded, out)
+        return view_weight(out, encoded)
+
+    def _decode_chunk(self, encoded: EncodedWeight, c: int, target: np.ndarray) -> None:
+        start, stop = encoded.chunk_range(c)
+        width = encoded.itemsize
+        dst = target[start * width : stop * width]  # (E * width,) uint8
+        n = stop - start
+        layout = LAYOUTS[encoded.layout]
+        scratch = self._scratch
+        frames = encoded.frames[c]
+        if not layout.planes:
+            frame = frames[0]
+            if frame.raw:
+                if len(frame.data) != dst.size:
+                    raise DecodeError(f"a raw frame holds {len(frame.data)} bytes, not {dst.size}")
+                np.copyto(dst, np.frombuffer(frame.data, dtype=np.uint8))
+            else:
+                _read_frame(scratch.decompressor, frame.data, dst)
+            return
+        planes = []
+        for p, frame in enumerate(frames):
+            if frame.raw:
+                if len(frame.data) != n:
+                    raise DecodeError(f"a raw frame holds {len(frame.data)} bytes, not {n}")
+                planes.append(np.frombuffer(frame.data, dtype=np.uint8))
+            else:
+                plane = scratch.get(n, np.dtype(np.uint8), p)
+                _read_frame(scratch.decompressor, frame.data, plane)
+                planes.append(plane)
+        int_dtype = SUPPORTED_DTYPES[encoded.dtype][1]
+        layout.join(planes, dst, scratch.get(n, int_dtype, -1), encoded.dtype)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,99 @@
+"""CompressedLinear: an nn.Linear whose weight lives zstd-compressed in RAM."""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zstd_linear.codec import CodecConfig, EncodedWeight, encode_weight
+from zstd_linear.decoder import Decoder
+from zstd_linear.layout import dtype_name
+
+
+class CompressedLinear(nn.Module):
+    """Drop-in for nn.Linear: ``y = x @ W.T + b`` with W decoded losslessly on demand.
+
+    x: (..., in_features), the weight's dtype; returns (..., out_features). The bias
+    stays a plain (out_features,) parameter (tiny). When and how long the decoded
+    weight lives is the model's caching policy (see compress_model); a layer built
+    on its own decodes on every call.
+
+    name: the fully qualified module name; it keys the layer in caches and files.
+    """
+
+    def __init__(self, encoded: EncodedWeight, bias: torch.Tensor | None = None, name: str = ""):
+        super().__init__()
+        if len(encoded.shape) != 2:
+            raise ValueError(f"encoded weight must be 2-D, got shape {encoded.shape}")
+        out_features, in_features = encoded.shape
+        if bias is not None:
+            if tuple(bias.shape) != (out_features,):
+                raise ValueError(
+                    f"bias must have shape ({out_features},) for layer {name!r}, "
+                    f"got {tuple(bias.shape)}"
+                )
+            bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.encoded = encoded
+        self.name = name
+        self.bias = bias
+        self._runtime = None  # a ModelRuntime, set by compress_model / load_compressed
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        config: CodecConfig | None = None,
+        name: str = "",
+        executor: Executor | None = None,
+    ) -> CompressedLinear:
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(
+                f"{name or 'module'} must be an nn.Linear, got {type(linear).__name__}"
+            )
+        dtype_name(linear.weight.dtype)  # raises for unsupported dtypes
+        return cls(encode_weight(linear.weight, config, executor), linear.bias, name)
+
+    def _ensure_runtime(self):
+        if self._runtime is None:
+            from zstd_linear.runtime import ModelRuntime
+
+            ModelRuntime({self.name: self}, policy="none", threads=1)
+        return self._runtime
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            # The decoded weight's buffer is refilled by later decodes, so autograd
+            # could not keep it for the backward pass.
+            raise RuntimeError(
+                f"CompressedLinear {self.name!r} is inference-only: call it under "
+                "torch.no_grad() / torch.inference_mode(), or decompress_model first"
+            )
+        policy = self._ensure_runtime().policy
+        weight = policy.acquire(self)
+        try:
+            return F.linear(x, weight, self.bias)
+        finally:
+            policy.release(self)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A freshly decoded copy of the weight, (out_features, in_features): costs a
+        full decode and allocation, and is not tracked by the caching policy."""
+        return Decoder(threads=1).decode(self.encoded)
+
+    @property
+    def compressed_bytes(self) -> int:
+        return self.encoded.compressed_bytes
+
+    def extra_repr(self) -> str:
+        e = self.encoded
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, dtype={e.dtype}, layout={e.layout}, "
+            f"ratio={e.original_bytes / max(1, e.compressed_bytes):.3f}"
+        )

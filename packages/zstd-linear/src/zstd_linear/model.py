@@ -1,0 +1,216 @@
+"""Compressing a whole model: select Linear layers, swap them, attach the runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from fnmatch import fnmatchcase
+
+import torch.nn as nn
+
+from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
+from zstd_linear.decoder import check_threads
+from zstd_linear.layer import CompressedLinear
+from zstd_linear.layout import SUPPORTED_DTYPES, dtype_name
+from zstd_linear.policies import POLICIES
+from zstd_linear.progress import ProgressBar
+from zstd_linear.report import CompressionReport, LayerReport
+from zstd_linear.runtime import ModelRuntime
+from zstd_linear.stats import DecodeStats
+
+RUNTIME_ATTR = "zstd_linear_runtime"
+
+
+def _patterns(value, param: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    items = list(value)
+    if not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{param} must be a glob string or a list of them, got {value!r}")
+    return items
+
+
+def _tied_names(model: nn.Module) -> dict[int, list[str]]:
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    return owners
+
+
+def select_linears(
+    model: nn.Module, include=None, exclude=None
+) -> tuple[list[str], dict[str, str]]:
+    """Fully qualified names of the nn.Linear layers to compress, and name -> reason for
+    Linear layers left plain. Every ``include`` glob must match an nn.Linear."""
+    inc = _patterns(include, "include")
+    exc = _patterns(exclude, "exclude")
+    modules = dict(model.named_modules())
+    for pattern in inc:
+        hits = [n for n in modules if fnmatchcase(n, pattern)]
+        if not any(isinstance(modules[n], nn.Linear) for n in hits):
+            kinds = sorted({type(modules[n]).__name__ for n in hits}) or ["nothing"]
+            raise ValueError(
+                f"include pattern {pattern!r} must match an nn.Linear, it matches {kinds}"
+            )
+    owners = _tied_names(model)
+    chosen, skipped = [], {}
+    for name, module in modules.items():
+        if not isinstance(module, nn.Linear):
+            continue
+        if inc and not any(fnmatchcase(name, p) for p in inc):
+            continue
+        if any(fnmatchcase(name, p) for p in exc):
+            continue
+        others = [n for n in owners[id(module.weight)] if n != f"{name}.weight"]
+        if others:
+            # A tied weight (lm_head = embed_tokens) stays plain for its other owner,
+            # so compressing this copy would add bytes and decode time, not save any.
+            skipped[name] = f"weight tied to {', '.join(others)}"
+            continue
+        if module.weight.dtype not in {t for t, _ in SUPPORTED_DTYPES.values()}:
+            raise ValueError(
+                f"layer {name!r} has dtype {module.weight.dtype}; supported: "
+                f"{sorted(SUPPORTED_DTYPES)}"
+            )
+        if module.weight.device.type != "cpu":
+            raise ValueError(f"layer {name!r} must be on the CPU, got {module.weight.device}")
+        chosen.append(name)
+    if not chosen:
+        raise ValueError(f"no nn.Linear to compress (include={inc}, exclude={exc})")
+    return chosen, skipped
+
+
+def runtime_of(model: nn.Module) -> ModelRuntime:
+    runtime = model.__dict__.get(RUNTIME_ATTR)
+    if runtime is None:
+        raise ValueError("model is not compressed: call compress_model or load_compressed")
+    return runtime
+
+
+def install(
+    model: nn.Module,
+    layers: dict[str, CompressedLinear],
+    policy: str,
+    threads: int | None,
+    policy_options: dict,
+) -> ModelRuntime:
+    """Swap ``layers`` (fqn -> CompressedLinear) into ``model`` and attach the runtime."""
+    if RUNTIME_ATTR in model.__dict__:
+        raise ValueError("model is already compressed: call decompress_model first")
+    runtime = ModelRuntime(layers, policy=policy, threads=threads, **policy_options)
+    for name, layer in layers.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer)
+    runtime.clock.attach(model)
+    model.__dict__[RUNTIME_ATTR] = runtime
+    return runtime
+
+
+def report_of(layers: Iterable[CompressedLinear], skipped: dict[str, str]) -> CompressionReport:
+    return CompressionReport(
+        layers=[
+            LayerReport(
+                name=lyr.name,
+                dtype=lyr.encoded.dtype,
+                shape=lyr.encoded.shape,
+                layout=lyr.encoded.layout,
+                original_bytes=lyr.encoded.original_bytes,
+                compressed_bytes=lyr.encoded.compressed_bytes,
+            )
+            for lyr in layers
+        ],
+        skipped=dict(skipped),
+    )
+
+
+def compress_model(
+    model: nn.Module,
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    level: int = 3,
+    policy: str = "per_pass_prefetch",
+    *,
+    layout: str = DEFAULT_LAYOUT,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+    progress: bool = False,
+    **policy_options,
+) -> CompressionReport:
+    """Replace ``model``'s nn.Linear layers by CompressedLinear, in place.
+
+    include / exclude: globs over fully qualified module names (default: every
+    Linear). A Linear whose weight is tied to another parameter stays plain and is
+    listed in ``report.skipped``. policy: a POLICIES name; policy_options go to it
+    (``window`` for per_pass_prefetch, ``budget_bytes`` for budget). threads: decode
+    and compression threads (default min(2, cores)). Everything is validated before
+    the model changes.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if RUNTIME_ATTR in model.__dict__:
+        raise ValueError("model is already compressed: call decompress_model first")
+    config = CodecConfig(level=level, layout=layout, chunk_bytes=chunk_bytes)
+    threads = check_threads(threads)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    names, skipped = select_linears(model, include, exclude)
+    bar = ProgressBar(len(names)) if progress else None
+    layers: dict[str, CompressedLinear] = {}
+    linears = [model.get_submodule(name) for name in names]
+    for linear in linears:
+        dtype_name(linear.weight.dtype)
+    layers: dict[str, CompressedLinear] = {}
+    # Layers are encoded concurrently (zstd releases the GIL), in order for the bar.
+    with ThreadPoolExecutor(threads) as pool:
+        encoded = pool.map(lambda lin: encode_weight(lin.weight, config), linears)
+        for name, linear, enc in zip(names, linears, encoded, strict=True):
+            layers[name] = CompressedLinear(enc, linear.bias, name)
+            if bar is not None:
+                bar.advance(name)
+    install(model, layers, policy, threads, policy_options)
+    return report_of(layers.values(), skipped)
+
+
+def decompress_model(model: nn.Module) -> nn.Module:
+    """Put plain nn.Linear layers (bit-identical weights) back and detach the runtime."""
+    runtime = runtime_of(model)
+    decoded = {name: layer.weight for name, layer in runtime.layers.items()}
+    runtime.close()
+    for name, layer in runtime.layers.items():
+        weight = decoded[name]
+        linear = nn.Linear(
+            layer.in_features,
+            layer.out_features,
+            bias=layer.bias is not None,
+            dtype=weight.dtype,
+            device="meta",
+        )
+        linear.weight = nn.Parameter(weight)
+        if layer.bias is not None:
+            linear.bias = nn.Parameter(layer.bias.detach())
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, linear)
+    del model.__dict__[RUNTIME_ATTR]
+    return model
+
+
+def set_policy(model: nn.Module, policy: str, **policy_options) -> None:
+    """Switch a compressed model's caching policy (drops every decoded weight)."""
+    runtime_of(model).set_policy(policy, **policy_options)
+
+
+def compression_stats(model: nn.Module) -> DecodeStats:
+    """The live counters of a compressed model (see DecodeStats)."""
+    return runtime_of(model).stats
+
+
+def reset_stats(model: nn.Module) -> None:
+    runtime_of(model).reset_stats()
+
+
+def compressed_layers(model: nn.Module) -> dict[str, CompressedLinear]:
+    return dict(runtime_of(model).layers)

@@ -1,0 +1,36 @@
+"""Caching policies by name: none, per_pass, per_pass_prefetch, budget, resident."""
+
+from __future__ import annotations
+
+from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.budget import Budget
+from zstd_linear.policies.none import NoCache
+from zstd_linear.policies.per_pass import PerPass
+from zstd_linear.policies.prefetch import PerPassPrefetch
+from zstd_linear.policies.resident import Resident
+
+POLICIES: dict[str, type[CachePolicy]] = {
+    cls.name: cls for cls in (NoCache, PerPass, PerPassPrefetch, Budget, Resident)
+}
+
+
+def make_policy(name: str, runtime, **options) -> CachePolicy:
+    """The policy ``name`` for ``runtime``; ValueError for an unknown name or option."""
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+    try:
+        return POLICIES[name](runtime, **options)
+    except TypeError as exc:
+        raise ValueError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from None
+
+
+__all__ = [
+    "POLICIES",
+    "Budget",
+    "CachePolicy",
+    "NoCache",
+    "PerPass",
+    "PerPassPrefetch",
+    "Resident",
+    "make_policy",
+]

@@ -1,0 +1,143 @@
+"""Policy ``per_pass_prefetch``: decode ahead in the observed order, free after last use.
+
+The first pass (and any pass after the call order changed) decodes on demand, like
+``none``, while it records the sequence of layer calls. From then on a background
+thread decodes layers in first-use order, cyclically (the end of one pass prefetches
+the start of the next), keeping at most ``window`` weights decoded or decoding; each
+weight is freed right after its last call in the pass. A pass whose calls leave the
+recorded sequence drains the window, finishes on demand, and is recorded afresh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from zstd_linear.policies.base import CachePolicy
+
+
+class PerPassPrefetch(CachePolicy):
+    """window: int >= 1, the most weights decoded (or decoding) at once, including the
+    one in use; 2 overlaps one decode with one layer's compute."""
+
+    name = "per_pass_prefetch"
+
+    def __init__(self, runtime, window: int = 2):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        super().__init__(runtime)
+        self.window = window
+        self._sequence: list[str] | None = None  # layer calls of one pass, in order
+        self._last_use: list[bool] = []  # per call: the layer's last call in the pass
+        self._order: list[str] = []  # layers by first use
+        self._recording: list[str] = []
+        self._recording_valid = True
+        self._call = 0
+        self._next = 0  # index into _order of the next layer to prefetch
+        self._pending: OrderedDict[str, Future] = OrderedDict()
+        self._live: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (slab, weight)
+        self._on_demand: dict[str, torch.Tensor] = {}  # name -> slab, outside the sequence
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zstd-linear-prefetch")
+
+    @property
+    def sequence(self) -> list[str] | None:
+        """The recorded call order (fully qualified names), or None while recording."""
+        return None if self._sequence is None else list(self._sequence)
+
+    def on_pass_start(self, index: int) -> None:
+        if self._sequence is None:
+            if self._recording and self._recording_valid:
+                self._adopt(self._recording)
+        elif self._call != len(self._sequence):
+            self._forget()  # the last pass stopped early or diverged
+        self._recording = []
+        self._recording_valid = True
+        self._call = 0
+        if self._sequence is not None:
+            self._fill()
+
+    def _adopt(self, sequence: list[str]) -> None:
+        self._sequence = list(sequence)
+        last: dict[str, int] = {}
+        for i, name in enumerate(sequence):
+            last[name] = i
+        self._last_use = [last[name] == i for i, name in enumerate(sequence)]
+        self._order = list(dict.fromkeys(sequence))
+        self._next = 0
+
+    def _forget(self) -> None:
+        self._drain()
+        self._sequence = None
+
+    def _drain(self) -> None:
+        for future in self._pending.values():
+            slab, _ = future.result()
+            self.runtime.pool.release_slab(slab)
+        self._pending.clear()
+        for slab, _ in self._live.values():
+            self.runtime.pool.release_slab(slab)
+        self._live.clear()
+
+    def _decode(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        slab = self.runtime.pool.acquire_slab()
+        try:
+            return slab, self.runtime.decode_into(self.runtime.layers[name], slab)
+        except BaseException:
+            self.runtime.pool.release_slab(slab)
+            raise
+
+    def _fill(self) -> None:
+        while len(self._pending) + len(self._live) < self.window:
+            name = self._order[self._next]
+            if name in self._pending or name in self._live:
+                return  # window wider than the model: everything is already there
+            self._pending[name] = self._executor.submit(self._decode, name)
+            self._next = (self._next + 1) % len(self._order)
+
+    def acquire(self, layer) -> torch.Tensor:
+        name = layer.name
+        if self._sequence is None:
+            if self._recording_valid:
+                self._recording.append(name)
+            return self._decode_on_demand(name)
+        if self._call >= len(self._sequence) or self._sequence[self._call] != name:
+            self._forget()
+            self._recording_valid = False  # recorded from mid-pass: not a whole pass
+            return self._decode_on_demand(name)
+        if name not in self._live:
+            future = self._pending.pop(name, None)
+            if future is None:  # the window is full of layers still awaiting a later call
+                self._live[name] = self._decode(name)
+            else:
+                start = time.perf_counter()
+                self._live[name] = future.result()
+                self.runtime.add_wait(time.perf_counter() - start)
+        return self._live[name][1]
+
+    def _decode_on_demand(self, name: str) -> torch.Tensor:
+        slab, weight = self._decode(name)
+        self._on_demand[name] = slab
+        return weight
+
+    def release(self, layer) -> None:
+        name = layer.name
+        slab = self._on_demand.pop(name, None)
+        if slab is not None:
+            self.runtime.pool.release_slab(slab)
+            return
+        last = self._last_use[self._call]
+        self._call += 1
+        if last:
+            slab, _ = self._live.pop(name)
+            self.runtime.pool.release_slab(slab)
+            self._fill()
+
+    def close(self) -> None:
+        self._drain()
+        for slab in self._on_demand.values():
+            self.runtime.pool.release_slab(slab)
+        self._on_demand.clear()
+        self._executor.shutdown(wait=True)

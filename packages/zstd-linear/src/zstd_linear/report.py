@@ -1,0 +1,59 @@
+"""What compress_model / load_compressed did: per-layer and total sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    original_bytes: int
+    compressed_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.original_bytes / max(1, self.compressed_bytes)
+
+
+@dataclass
+class CompressionReport:
+    """layers: the compressed Linear layers; skipped: name -> why it stayed plain."""
+
+    layers: list[LayerReport]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def original_bytes(self) -> int:
+        return sum(layer.original_bytes for layer in self.layers)
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(layer.compressed_bytes for layer in self.layers)
+
+    @property
+    def ratio(self) -> float:
+        return self.original_bytes / max(1, self.compressed_bytes)
+
+    def table(self) -> str:
+        """A markdown table, one row per layer plus the total."""
+        lines = [
+            "| layer | dtype | shape | layout | original | compressed | ratio |",
+            "|---|---|---|---|---:|---:|---:|",
+        ]
+        for r in self.layers:
+            shape = "x".join(map(str, r.shape))
+            lines.append(
+                f"| {r.name} | {r.dtype} | {shape} | {r.layout} | {r.original_bytes} "
+                f"| {r.compressed_bytes} | {r.ratio:.3f} |"
+            )
+        lines.append(
+            f"| total ({len(self.layers)} layers) | | | | {self.original_bytes} "
+            f"| {self.compressed_bytes} | {self.ratio:.3f} |"
+        )
+        for name, why in self.skipped.items():
+            lines.append(f"| {name} (skipped: {why}) | | | | | | |")
+        return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""The per-model runtime that compress_model attaches to the root module."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from zstd_linear.buffers import BufferPool
+from zstd_linear.clock import PassClock
+from zstd_linear.codec import view_weight
+from zstd_linear.decoder import Decoder, check_threads
+from zstd_linear.stats import DecodeStats
+
+if TYPE_CHECKING:
+    from zstd_linear.layer import CompressedLinear
+    from zstd_linear.policies.base import CachePolicy
+
+
+class ModelRuntime:
+    """Shared state of one model's CompressedLinear layers.
+
+    layers: fully qualified module name -> CompressedLinear (names, never short names,
+    identify layers everywhere: the caches, the prefetch order and the file format).
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, CompressedLinear],
+        policy: str = "per_pass_prefetch",
+        threads: int | None = None,
+        **policy_options,
+    ):
+        from zstd_linear.policies import make_policy
+
+        threads = check_threads(threads)
+        if not layers:
+            raise ValueError("layers must name at least one CompressedLinear, got none")
+        self.layers = dict(layers)
+        self.stats = DecodeStats()
+        self.clock = PassClock()
+        self.pool = BufferPool(
+            max(lyr.encoded.original_bytes for lyr in layers.values()), self.stats
+        )
+        self._stats_lock = threading.Lock()
+        # Built before anything else starts threads, so bad options leave nothing behind.
+        self.policy: CachePolicy = make_policy(policy, self, **policy_options)
+        self.decoder = Decoder(threads)
+        self.clock.subscribe(self._on_pass)
+        for layer in self.layers.values():
+            layer._runtime = self
+
+    def _on_pass(self, index: int) -> None:
+        self.stats.forward_passes += 1
+        self.policy.on_pass_start(index)
+
+    def decode_into(self, layer: CompressedLinear, buf: torch.Tensor) -> torch.Tensor:
+        """Decode ``layer``'s weight into the front of ``buf`` (uint8); returns the weight
+        view, shape (out_features, in_features), the layer's dtype."""
+        encoded = layer.encoded
+        target = buf[: encoded.original_bytes]
+        start = time.perf_counter()
+        self.decoder.decode_into(encoded, target)
+        seconds = time.perf_counter() - start
+        with self._stats_lock:
+            self.stats.decompressions += 1
+            self.stats.bytes_decoded += encoded.original_bytes
+            self.stats.seconds_decoding += seconds
+        return view_weight(target, encoded)
+
+    def add_wait(self, seconds: float) -> None:
+        with self._stats_lock:
+            self.stats.seconds_waiting += seconds
+
+    def set_policy(self, policy: str, **policy_options) -> None:
+        from zstd_linear.policies import make_policy
+
+        new = make_policy(policy, self, **policy_options)  # validates before any change
+        self.policy.close()
+        self.pool.trim()
+        self.policy = new
+
+    def reset_stats(self) -> None:
+        """Zero the counters; memory held now becomes the new peak."""
+        with self._stats_lock:
+            held = self.stats.decoded_bytes
+            for field in ("forward_passes", "decompressions", "bytes_decoded"):
+                setattr(self.stats, field, 0)
+            self.stats.seconds_decoding = self.stats.seconds_waiting = 0.0
+            self.stats.peak_decoded_bytes = held
+
+    def close(self) -> None:
+        self.policy.close()
+        self.pool.trim()
+        self.decoder.close()
+        self.clock.detach()
+        for layer in self.layers.values():
+            layer._runtime = None

@@ -1,0 +1,65 @@
+"""save_compressed / load_compressed: a compressed model's Linear layers to and from disk."""
+
+from __future__ import annotations
+
+import os
+
+import torch.nn as nn
+
+from zstd_linear.fileformat import read_file, write_file
+from zstd_linear.layer import CompressedLinear
+from zstd_linear.model import RUNTIME_ATTR, install, report_of, runtime_of
+from zstd_linear.report import CompressionReport
+
+
+def save_compressed(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write every CompressedLinear of ``model`` (with its bias) to ``path`` (.zlin)."""
+    runtime = runtime_of(model)
+    write_file(path, [(name, lyr.encoded, lyr.bias) for name, lyr in runtime.layers.items()])
+
+
+def load_compressed(
+    path: str | os.PathLike,
+    model: nn.Module,
+    policy: str = "per_pass_prefetch",
+    *,
+    threads: int | None = None,
+    **policy_options,
+) -> CompressionReport:
+    """Replace the nn.Linear layers of ``model`` named in ``path`` by CompressedLinear.
+
+    Each named module must be an nn.Linear of the file's shape, dtype and bias; the
+    file is fully verified and every layer checked before ``model`` changes.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if RUNTIME_ATTR in model.__dict__:
+        raise ValueError("model is already compressed: call decompress_model first")
+    entries = read_file(path)
+    modules = dict(model.named_modules())
+    layers: dict[str, CompressedLinear] = {}
+    for name, encoded, bias in entries:
+        target = modules.get(name)
+        if not isinstance(target, nn.Linear):
+            found = "nothing" if target is None else type(target).__name__
+            raise ValueError(
+                f"layer {name!r} of {path} must name an nn.Linear in model, found {found}"
+            )
+        want = (target.out_features, target.in_features)
+        if encoded.shape != want:
+            raise ValueError(
+                f"layer {name!r} of {path} has shape {encoded.shape}, the model's is {want}"
+            )
+        if target.weight.dtype != encoded.torch_dtype:
+            raise ValueError(
+                f"layer {name!r} of {path} has dtype {encoded.dtype}, "
+                f"the model's is {target.weight.dtype}"
+            )
+        if (bias is None) != (target.bias is None):
+            raise ValueError(
+                f"layer {name!r} of {path} {'has no' if bias is None else 'has a'} bias, "
+                f"the model's Linear {'has one' if bias is None else 'has none'}"
+            )
+        layers[name] = CompressedLinear(encoded, bias, name)
+    install(model, layers, policy, threads, policy_options)
+    return report_of(layers.values(), {})

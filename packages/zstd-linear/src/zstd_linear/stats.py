@@ -1,0 +1,35 @@
+"""Counters of one compressed model's decoding work."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class DecodeStats:
+    """What a compressed model's runtime did since compress_model / reset.
+
+    forward_passes: root-module forward calls (the pass clock).
+    decompressions: weights decoded. bytes_decoded: their original bytes.
+    seconds_decoding: wall time inside decodes (in the background under prefetch).
+    seconds_waiting: time forward calls waited for a prefetched weight.
+    decoded_bytes / peak_decoded_bytes: decoded-weight memory held now / at most,
+    counting reusable buffers whether or not they hold a live weight.
+    """
+
+    forward_passes: int = 0
+    decompressions: int = 0
+    bytes_decoded: int = 0
+    seconds_decoding: float = 0.0
+    seconds_waiting: float = 0.0
+    decoded_bytes: int = 0
+    peak_decoded_bytes: int = 0
+
+    @property
+    def decompressions_per_pass(self) -> float:
+        return self.decompressions / self.forward_passes if self.forward_passes else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["decompressions_per_pass"] = self.decompressions_per_pass
+        return d
