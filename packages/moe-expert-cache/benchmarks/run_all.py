@@ -1,0 +1,18 @@
+"""Run every moe-expert-cache benchmark (``--quick`` for a fast smoke run)."""
+
+from __future__ import annotations
+
+import sys
+
+import decode_bench
+import simulator_bench
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv[1:]
+    simulator_bench.run(quick)
+    decode_bench.run(quick)
+
+
+if __name__ == "__main__":
+    main()

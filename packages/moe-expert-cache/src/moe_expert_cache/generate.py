@@ -1,0 +1,61 @@
+"""The runtime loop: token t forward -> emit token t -> cache update -> token t + 1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from moe_expert_cache.manager import ExpertCacheManager
+
+
+@dataclass
+class GenerationResult:
+    """Greedy tokens, the prompt's time, and the time of the tokens after the first."""
+
+    tokens: list[int]
+    prompt_seconds: float
+    decode_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first over their time."""
+        n = len(self.tokens) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+def generate(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    manager: ExpertCacheManager | None = None,
+) -> GenerationResult:
+    """Greedy decoding of ``max_tokens`` tokens after ``prompt_ids``.
+
+    With a ``manager`` (a cached model), the cache updates between tokens; without one the
+    same loop runs the stock model, so the two time the same work.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if len(prompt_ids) < 1:
+        raise ValueError("prompt_ids must hold at least one token")
+    kv = make_prompt_cache(model)
+    start = time.perf_counter()
+    logits = model(mx.array(list(prompt_ids))[None], cache=kv)  # (1, L, vocab)
+    y = mx.argmax(logits[:, -1, :], axis=-1)  # (1,)
+    tokens = [int(y.item())]
+    if manager is not None:
+        manager.dynamic_cache_update()
+    prompt_done = time.perf_counter()
+    for _ in range(max_tokens - 1):
+        logits = model(y[:, None], cache=kv)
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        tokens.append(int(y.item()))
+        if manager is not None:
+            manager.dynamic_cache_update()
+    end = time.perf_counter()
+    return GenerationResult(tokens, prompt_done - start, end - prompt_done)

@@ -1,0 +1,46 @@
+"""moe-expert-cache: a random Qwen3-MoE (mlx-lm) with half of its experts resident."""
+
+from membound_integration.row import Row
+
+PROMPT_IDS = [3, 17, 42, 99, 7, 250, 31, 64]
+
+
+def moe_expert_cache_row() -> Row:
+    import tempfile
+
+    from mlx_lm.utils import load_model
+
+    from moe_expert_cache import (
+        CacheConfig,
+        generate,
+        load_cached_model,
+        random_moe_config,
+        write_random_moe,
+    )
+
+    config = random_moe_config(
+        "qwen3_moe", hidden_size=256, num_layers=4, num_experts=16, top_k=2, expert_size=256
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_moe(tmp, config, bits=4, shards=2)
+        cached = load_cached_model(path, CacheConfig(capacity=0.5, mode="exact"))
+        result = generate(cached.model, PROMPT_IDS, 24, cached.manager)
+        manager = cached.manager
+        total = manager.total_metrics()
+        cached.store.close()
+        stock = generate(load_model(path)[0], PROMPT_IDS, 24).tokens
+    return Row(
+        name="random Qwen3-MoE 4-bit (mlx-lm), 50% of experts resident, exact mode",
+        output=(
+            f"tokens {' '.join(map(str, result.tokens))}; hit rate {total.hit_rate:.3f} "
+            f"({total.hits}/{total.requests}), {total.swaps} swaps; "
+            f"same tokens as the fully resident model: {stock == result.tokens}"
+        ),
+        tokens_per_s=result.tokens_per_s,
+        component="MoE expert weights",
+        resident_bytes=manager.resident_expert_bytes(),
+        unbounded_bytes=manager.all_expert_bytes(),
+    )
+
+
+ROWS = {"moe_expert_cache": moe_expert_cache_row}
