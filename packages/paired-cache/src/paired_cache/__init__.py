@@ -1,5 +1,39 @@
 """Paired-replacement weight cache for contextually sparse MLPs (C core through cffi)."""
 
 from paired_cache.__about__ import __version__
+from paired_cache._core import core_info
+from paired_cache.cache import (
+    SUPPORTED_DTYPES,
+    CacheInvariantError,
+    CacheStats,
+    PairedCache,
+    UpdateInfo,
+)
+from paired_cache.config import CacheConfig
+from paired_cache.mask_sources import (
+    MASK_SOURCES,
+    FixedMask,
+    LowRankPredictor,
+    MaskSource,
+    OracleTopK,
+)
+from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
 
-__all__ = ["__version__"]
+__all__ = [
+    "MASK_SOURCES",
+    "SUPPORTED_DTYPES",
+    "CacheConfig",
+    "CacheInvariantError",
+    "CacheStats",
+    "FixedMask",
+    "LowRankPredictor",
+    "MaskSource",
+    "OracleTopK",
+    "PairedCache",
+    "SparseMLP",
+    "UpdateInfo",
+    "__version__",
+    "collect_mlp_inputs",
+    "core_info",
+    "sparsify_model",
+]

@@ -1,0 +1,87 @@
+"""The update microbenchmark (issue 3, item 8) at 1 thread and at all cores, with targets."""
+
+from __future__ import annotations
+
+import sys
+
+from common import NOISE, write_result
+
+from paired_cache.config import CacheConfig
+from paired_cache.microbench import BenchConfig, run
+
+
+def targets_for(result: dict, label: str) -> list[dict]:
+    cells = result["cells"]
+    gbps = result["memcpy_gbps"]
+    out = []
+    for k, want in ((16, 5.0), (64, 3.0)):
+        if ("float32", k) not in cells:
+            continue
+        c = cells[("float32", k)]
+        speedup = c["torch_index_select"]["us"] / c["hybrid"]["us"]
+        out.append(
+            {
+                "target": f"{label}: float32 with gate, k={k}: cache update >= {want:g}x faster "
+                "than the fair index_select rebuild",
+                "measured": f"{speedup:.1f}x ({c['hybrid']['us']:.0f} µs vs "
+                f"{c['torch_index_select']['us']:.0f} µs)",
+                "met": speedup >= want,
+            }
+        )
+    worst = []
+    for (dtype, k), c in cells.items():
+        if k >= 256:
+            for name in ("paired", "hybrid"):
+                bound = c[name]["bytes"] / (gbps * 1e3)
+                worst.append((c[name]["us"] / bound, f"{dtype} k={k} {name}"))
+    if worst:
+        ratio, where = max(worst)
+        out.append(
+            {
+                "target": f"{label}: k >= 256: time per update <= 2x the memcpy bound "
+                "(bytes moved / single-thread memcpy GB/s)",
+                "measured": f"worst {ratio:.2f}x ({where}; memcpy {gbps:.2f} GB/s)",
+                "met": ratio <= 2.0,
+            }
+        )
+    slow = []
+    for (dtype, k), c in cells.items():
+        best = min(c["paired"]["us"], c["rebuild"]["us"])
+        slow.append((c["hybrid"]["us"] / best, f"{dtype} k={k}"))
+    ratio, where = max(slow)
+    out.append(
+        {
+            "target": f"{label}: hybrid never more than 10% slower than the better of paired "
+            "and rebuild, at every k",
+            "measured": f"worst hybrid / best = {ratio:.2f} ({where})",
+            "met": ratio <= 1.10,
+        }
+    )
+    return out
+
+
+def main(quick: bool) -> None:
+    cfg = BenchConfig()
+    if quick:
+        cfg = BenchConfig(n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256), steps=20)
+    all_cores = CacheConfig().num_threads
+    for threads in sorted({1, all_cores}):
+        result = run(cfg, threads, progress=lambda s: print(s, file=sys.stderr))
+        label = f"{threads} thread{'s' if threads > 1 else ''}"
+        write_result(
+            f"update_{threads}t",
+            f"Cache update vs rebuild, N={cfg.n_rows}, hidden=gate=up={cfg.cols}, m={cfg.m}, "
+            f"{label} (cache copies and torch alike); memcpy "
+            f"{result['memcpy_gbps']:.2f} GB/s",
+            result["columns"],
+            result["rows"],
+            targets_for(result, label),
+            NOISE + f" {cfg.steps} updates per cell, interleaved, medians. k = |added| + "
+            "|removed| (k/2 of each); baselines get precomputed indices; hybrid uses the "
+            "default tau = 0.5 (rebuild when k > tau * m).",
+            save=not quick,
+        )
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)

@@ -1,0 +1,83 @@
+/*
+ * paired-cache C core: the paired-replacement weight cache for contextually sparse MLPs.
+ *
+ * C11 plus POSIX threads; no C++, no Python or torch headers. The Python package binds
+ * the declarations between the cdef markers through cffi (API mode); keep that block
+ * free of preprocessor lines because cffi's cdef parser reads it verbatim.
+ *
+ * Layout (row-major, every buffer 64-byte aligned, owned by the cache):
+ *   gate_pool[N, gate_cols]       optional (gate_cols == 0 means no gate)
+ *   up_pool[N, up_cols]
+ *   down_pool_T[N, hidden]        down[hidden, N] transposed for row access
+ *   active_gate_up[capacity, gate_cols + up_cols]   gate row then up row, interleaved
+ *   active_down_T[capacity, hidden]
+ *   active_indices[capacity]      row id at each packed position
+ *   index_to_position[N]          position of each row id, -1 when absent
+ *   current_mask[N]               1 for active row ids
+ * Rows are copied byte-wise, so any element type of elem_size bytes works.
+ */
+#ifndef PAIRED_CACHE_H
+#define PAIRED_CACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* cdef-begin */
+typedef struct pc_cache pc_cache;
+
+typedef struct {
+    int64_t n_rows;        /* N: rows in each pool */
+    int64_t gate_cols;     /* 0 when the MLP has no gate */
+    int64_t up_cols;
+    int64_t hidden;        /* columns of down_pool_T */
+    int64_t elem_size;     /* bytes per element: 4 float32, 2 float16/bfloat16 */
+    int64_t capacity;      /* most rows active at once */
+    double hybrid_tau;     /* rebuild when |added| + |removed| > hybrid_tau * m */
+    int64_t grain;         /* rows per parallel chunk */
+    int64_t par_threshold; /* fewer rows than this are copied by the calling thread */
+    int64_t num_threads;   /* threads for row copies, the caller included; >= 1 */
+} pc_config;
+
+typedef struct {
+    int64_t updates;
+    int64_t paired_updates;
+    int64_t rebuilds;
+    int64_t rows_copied;
+    int64_t bytes_moved;
+    int64_t last_rows_copied; /* of the most recent update */
+    int64_t last_added;
+    int64_t last_removed;
+    int last_was_rebuild;
+} pc_stats;
+
+enum {
+    PC_OK = 0,
+    PC_ERR_CONFIG = 1,   /* a pc_config field is out of range */
+    PC_ERR_NOMEM = 2,
+    PC_ERR_CAPACITY = 3, /* the new mask has more rows than capacity; nothing changed */
+    PC_ERR_INVALID = 4   /* pc_check_valid found a broken invariant */
+};
+
+int pc_create(const pc_config *config, pc_cache **out);
+void pc_destroy(pc_cache *cache);
+
+void *pc_gate_pool(pc_cache *cache);
+void *pc_up_pool(pc_cache *cache);
+void *pc_down_pool_T(pc_cache *cache);
+void *pc_active_gate_up(pc_cache *cache);
+void *pc_active_down_T(pc_cache *cache);
+int32_t *pc_active_indices(pc_cache *cache);
+int32_t *pc_index_to_position(pc_cache *cache);
+uint8_t *pc_current_mask(pc_cache *cache);
+int64_t pc_num_active(const pc_cache *cache);
+
+int pc_update(pc_cache *cache, const uint8_t *new_mask, int64_t *out_new_count);
+int pc_check_valid(const pc_cache *cache, char *message, size_t message_len);
+void pc_get_stats(const pc_cache *cache, pc_stats *out);
+const char *pc_core_info(void);
+/* cdef-end */
+
+void *pc_aligned_alloc(size_t bytes);
+void pc_aligned_free(void *ptr);
+
+#endif

@@ -1,0 +1,56 @@
+/* The cache's private layout, shared by pc_cache.c (lifetime, checks) and pc_update.c. */
+#ifndef PC_INTERNAL_H
+#define PC_INTERNAL_H
+
+#include "paired_cache.h"
+
+#define PC_MAX_THREADS 64
+
+/* A persistent thread pool (pc_parallel.c). pc_pool_for runs fn(ctx, begin, end) over
+ * [0, n) in chunks of grain on the pool and the calling thread when n >= par_threshold,
+ * otherwise on the calling thread alone; it returns when every chunk is done. */
+typedef void (*pc_range_fn)(void *ctx, int64_t begin, int64_t end);
+typedef struct pc_pool pc_pool;
+pc_pool *pc_pool_create(int64_t num_threads);
+void pc_pool_destroy(pc_pool *pool);
+void pc_pool_for(pc_pool *pool, int64_t n, int64_t grain, int64_t par_threshold, pc_range_fn fn,
+                 void *ctx);
+
+/* One row copy: into packed position dst, from pool row src (from_pool) or from packed
+ * position src (compaction). */
+typedef struct {
+    int32_t dst;
+    int32_t src;
+    int32_t from_pool;
+} pc_copy;
+
+struct pc_cache {
+    pc_config cfg;
+    size_t gate_row_bytes;
+    size_t up_row_bytes;
+    size_t gate_up_row_bytes;
+    size_t down_row_bytes;
+
+    uint8_t *gate_pool;      /* [N, gate_cols] or NULL */
+    uint8_t *up_pool;        /* [N, up_cols] */
+    uint8_t *down_pool_T;    /* [N, hidden] */
+    uint8_t *active_gate_up; /* [capacity, gate_cols + up_cols] */
+    uint8_t *active_down_T;  /* [capacity, hidden] */
+
+    int32_t *active_indices;    /* [capacity], first m valid */
+    int32_t *index_to_position; /* [N], -1 when absent */
+    uint8_t *current_mask;      /* [N] */
+    int64_t m;
+
+    /* Scratch, sized once so that an update never allocates. */
+    int32_t *added;          /* [N] */
+    int32_t *removed;        /* [N] */
+    int32_t *removed_pos;    /* [capacity] */
+    uint8_t *position_flags; /* [capacity] */
+    pc_copy *copies;         /* [capacity] */
+
+    pc_pool *pool; /* NULL when num_threads == 1 */
+    pc_stats stats;
+};
+
+#endif

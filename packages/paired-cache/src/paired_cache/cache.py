@@ -1,0 +1,244 @@
+"""PairedCache: torch-facing wrapper of the C core's paired-replacement weight cache."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paired_cache._core import ERROR_NAMES, ffi, lib
+from paired_cache.config import CacheConfig
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class CacheInvariantError(RuntimeError):
+    """check_valid() found the cache's metadata or rows inconsistent."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Totals since construction; rows and bytes count row copies into the active buffers."""
+
+    updates: int
+    paired_updates: int
+    rebuilds: int
+    rows_copied: int
+    bytes_moved: int
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    """What one update did: |added|, |removed|, rows copied, and whether it rebuilt."""
+
+    added: int
+    removed: int
+    rows_copied: int
+    rebuilt: bool
+
+
+def _check_weight(name: str, t, shape: tuple[int | None, ...], dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; supported: {SUPPORTED_DTYPES}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype} but up has {dtype}")
+    if t.dim() != len(shape) or any(
+        w is not None and s != w for s, w in zip(t.shape, shape, strict=True)
+    ):
+        want = "x".join("?" if w is None else str(w) for w in shape)
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{want}]")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} with shape {tuple(t.shape)} is not contiguous")
+
+
+def _view(handle, ptr, nbytes: int, dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A zero-copy tensor over C memory that keeps the cache (handle) alive."""
+    # The gc'd pointer's destructor closes over handle, so every view keeps the C cache
+    # allocated for as long as the view lives, even after the PairedCache is dropped.
+    owner = ffi.gc(ptr, lambda _ptr, _keep=handle: None)
+    flat = torch.frombuffer(ffi.buffer(owner, max(nbytes, 1)), dtype=torch.uint8)
+    return flat[:nbytes].view(dtype).view(shape)
+
+
+class PairedCache:
+    """Rows of gate/up and of down transposed for the active neurons of one gated MLP.
+
+    up: (N, up_cols), down: (hidden, N) (an nn.Linear weight), gate: (N, gate_cols) or
+    None; one dtype among float32, float16, bfloat16; CPU, contiguous. The pools copy them
+    (down transposed to down_pool_T (N, hidden)); the active buffers hold up to capacity
+    rows, packed. Views returned by the accessors alias C memory that never reallocates.
+    Not safe for concurrent updates from several threads; a lock serialises them.
+    """
+
+    def __init__(
+        self,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        gate: torch.Tensor | None = None,
+        *,
+        capacity: int | None = None,
+        config: CacheConfig | None = None,
+        init_mask: torch.Tensor | None = None,
+    ) -> None:
+        _check_weight("up", up, (None, None), None)
+        n, up_cols = up.shape
+        _check_weight("down", down, (None, n), up.dtype)
+        hidden = down.shape[0]
+        gate_cols = 0
+        if gate is not None:
+            _check_weight("gate", gate, (n, None), up.dtype)
+            gate_cols = gate.shape[1]
+        capacity = n if capacity is None else capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
+            raise ValueError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
+        config = CacheConfig() if config is None else config
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"config must be a CacheConfig, got {type(config).__name__}")
+        self.n_rows, self.up_cols, self.gate_cols, self.hidden = n, up_cols, gate_cols, hidden
+        self.capacity, self.config, self.dtype = capacity, config, up.dtype
+        if init_mask is not None:
+            self._mask_bytes(init_mask)  # validate before allocating anything
+
+        cfg = ffi.new("pc_config *")
+        cfg.n_rows, cfg.gate_cols, cfg.up_cols, cfg.hidden = n, gate_cols, up_cols, hidden
+        cfg.elem_size, cfg.capacity = up.element_size(), capacity
+        cfg.hybrid_tau, cfg.grain = config.hybrid_tau, config.grain
+        cfg.par_threshold, cfg.num_threads = config.par_threshold, config.num_threads
+        out = ffi.new("pc_cache **")
+        rc = lib.pc_create(cfg, out)
+        if rc != lib.PC_OK:
+            raise (MemoryError if rc == lib.PC_ERR_NOMEM else ValueError)(
+                f"pc_create failed ({ERROR_NAMES.get(rc, rc)}) for N={n}, gate_cols={gate_cols}"
+                f", up_cols={up_cols}, hidden={hidden}, capacity={capacity}"
+            )
+        self._handle = ffi.gc(out[0], lib.pc_destroy)
+        self._lock = threading.Lock()
+        self._stats = ffi.new("pc_stats *")
+        self._count = ffi.new("int64_t *")
+        h, size, row = self._handle, up.element_size(), gate_cols + up_cols
+        if gate is not None:
+            self.gate_pool = _view(
+                h, lib.pc_gate_pool(h), n * gate_cols * size, self.dtype, (n, gate_cols)
+            )
+            self.gate_pool.copy_(gate)
+        else:
+            self.gate_pool = None
+        self.up_pool = _view(h, lib.pc_up_pool(h), n * up_cols * size, self.dtype, (n, up_cols))
+        self.down_pool_T = _view(
+            h, lib.pc_down_pool_T(h), n * hidden * size, self.dtype, (n, hidden)
+        )
+        self.up_pool.copy_(up)
+        self.down_pool_T.copy_(down.t())  # (hidden, N) -> (N, hidden)
+        self._active_gate_up = _view(
+            h, lib.pc_active_gate_up(h), capacity * row * size, self.dtype, (capacity, row)
+        )
+        self._active_down_T = _view(
+            h, lib.pc_active_down_T(h), capacity * hidden * size, self.dtype, (capacity, hidden)
+        )
+        self._indices = _view(h, lib.pc_active_indices(h), capacity * 4, torch.int32, (capacity,))
+        self._positions = _view(h, lib.pc_index_to_position(h), n * 4, torch.int32, (n,))
+        self._mask = _view(h, lib.pc_current_mask(h), n, torch.bool, (n,))
+        if init_mask is not None:
+            self.update(init_mask)
+
+    def _mask_bytes(self, mask) -> torch.Tensor:
+        """Validate a mask and return it as a contiguous (N,) uint8 tensor."""
+        if isinstance(mask, np.ndarray):
+            if mask.dtype != np.bool_:
+                raise ValueError(f"mask must have dtype bool, got numpy {mask.dtype}")
+            mask = torch.from_numpy(np.ascontiguousarray(mask))
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must have dtype torch.bool, got {mask.dtype}")
+        if mask.dim() != 1 or mask.shape[0] != self.n_rows:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({self.n_rows},)")
+        if mask.device.type != "cpu":
+            raise ValueError(f"mask must be on the CPU, got device {mask.device}")
+        return mask.contiguous().view(torch.uint8)
+
+    def update(self, new_mask) -> UpdateInfo:
+        """Make the active set equal to new_mask: (N,) bool, at most capacity rows set.
+
+        Raises ValueError (cache unchanged) for a bad mask or one over capacity.
+        """
+        data = self._mask_bytes(new_mask)
+        with self._lock:
+            rc = lib.pc_update(self._handle, ffi.cast("uint8_t *", data.data_ptr()), self._count)
+            if rc == lib.PC_ERR_CAPACITY:
+                raise ValueError(
+                    f"mask selects {self._count[0]} rows but capacity is {self.capacity}; "
+                    "the cache is unchanged"
+                )
+            lib.pc_get_stats(self._handle, self._stats)
+            s = self._stats
+            return UpdateInfo(
+                s.last_added, s.last_removed, s.last_rows_copied, bool(s.last_was_rebuild)
+            )
+
+    @property
+    def num_active(self) -> int:
+        """m: rows currently active."""
+        return lib.pc_num_active(self._handle)
+
+    def gate_up(self) -> torch.Tensor:
+        """(m, gate_cols + up_cols): gate row then up row per active neuron, zero-copy."""
+        return self._active_gate_up[: self.num_active]
+
+    def gate(self) -> torch.Tensor:
+        """(m, gate_cols) strided view of the gate rows; ValueError without a gate."""
+        if self.gate_cols == 0:
+            raise ValueError("this cache was built without a gate (gate=None)")
+        return self._active_gate_up[: self.num_active, : self.gate_cols]
+
+    def up(self) -> torch.Tensor:
+        """(m, up_cols) strided view of the up rows."""
+        return self._active_gate_up[: self.num_active, self.gate_cols :]
+
+    def active_down_T(self) -> torch.Tensor:
+        """(m, hidden) contiguous: the active rows of down transposed."""
+        return self._active_down_T[: self.num_active]
+
+    def down(self) -> torch.Tensor:
+        """(hidden, m): the active columns of down, the transpose of active_down_T()."""
+        return self.active_down_T().t()
+
+    def active_indices(self) -> torch.Tensor:
+        """(m,) int32 copy: the row id at each packed position."""
+        return self._indices[: self.num_active].clone()
+
+    def index_to_position(self) -> torch.Tensor:
+        """(N,) int32 copy: each row id's packed position, -1 when absent."""
+        return self._positions.clone()
+
+    def mask(self) -> torch.Tensor:
+        """(N,) bool copy of the current mask."""
+        return self._mask.clone()
+
+    @property
+    def active_bytes(self) -> int:
+        """Bytes of the m active rows (gate, up and down)."""
+        row = (self.gate_cols + self.up_cols + self.hidden) * self.dtype.itemsize
+        return self.num_active * row
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            lib.pc_get_stats(self._handle, self._stats)
+            s = self._stats
+            return CacheStats(s.updates, s.paired_updates, s.rebuilds, s.rows_copied, s.bytes_moved)
+
+    def check_valid(self) -> None:
+        """Raise CacheInvariantError unless active_indices and index_to_position are a
+        bijection, the mask equals the active set, and every active row equals its pool row."""
+        message = ffi.new("char[]", 512)
+        with self._lock:
+            rc = lib.pc_check_valid(self._handle, message, 512)
+        if rc != lib.PC_OK:
+            raise CacheInvariantError(ffi.string(message).decode())

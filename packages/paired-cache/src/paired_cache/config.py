@@ -1,0 +1,68 @@
+"""Tuning knobs of a PairedCache: a validated dataclass, defaults from the environment."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+ENV_TAU = "WEIGHT_CACHE_HYBRID_TAU_FRAC"
+ENV_GRAIN = "WEIGHT_CACHE_GRAIN"
+ENV_PAR_THRESHOLD = "WEIGHT_CACHE_PAR_THRESHOLD"
+MAX_THREADS = 64  # the C core's limit (PC_MAX_THREADS)
+
+
+def _env_number(name: str, default, kind):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a valid {kind.__name__}"
+        ) from None
+
+
+def _default_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_THREADS))
+
+
+@dataclass
+class CacheConfig:
+    """How a PairedCache updates.
+
+    hybrid_tau: rebuild by gather when |added| + |removed| > hybrid_tau * m (>= 0).
+    grain: rows per parallel chunk (>= 1). par_threshold: updates copying fewer rows stay
+    on the calling thread (>= 0). num_threads: threads for row copies (1..64).
+    Each defaults to its environment variable (WEIGHT_CACHE_HYBRID_TAU_FRAC = 0.5,
+    WEIGHT_CACHE_GRAIN = 64, WEIGHT_CACHE_PAR_THRESHOLD = 64) or the usable cores.
+    """
+
+    hybrid_tau: float = field(default_factory=lambda: _env_number(ENV_TAU, 0.5, float))
+    grain: int = field(default_factory=lambda: _env_number(ENV_GRAIN, 64, int))
+    par_threshold: int = field(default_factory=lambda: _env_number(ENV_PAR_THRESHOLD, 64, int))
+    num_threads: int = field(default_factory=_default_threads)
+
+    def __post_init__(self) -> None:
+        tau = self.hybrid_tau
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
+            raise ValueError(f"hybrid_tau must be a number >= 0 (inf: never rebuild), got {tau!r}")
+        if math.isnan(float(tau)):
+            raise ValueError(f"hybrid_tau must be a number >= 0, got {tau!r}")
+        self.hybrid_tau = float(tau)
+        for name, low, high in (
+            ("grain", 1, None),
+            ("par_threshold", 0, None),
+            ("num_threads", 1, MAX_THREADS),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if value < low or (high is not None and value > high):
+                allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise ValueError(f"{name} must be {allowed}, got {value}")

@@ -1,0 +1,130 @@
+"""PairedCache against a plain numpy model, rule by rule (hypothesis state machine).
+
+The model is a bool array of active rows plus the original weights; after every rule the
+cache must hold exactly the model's rows, in some order, with consistent metadata.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_weights
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from paired_cache import CacheConfig, PairedCache
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def as_bits(t: torch.Tensor) -> np.ndarray:
+    """Exact bit patterns (numpy has no bfloat16)."""
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
+    return t.contiguous().view(ints).numpy()
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(
+        dtype=st.sampled_from(DTYPES),
+        with_gate=st.booleans(),
+        n=st.integers(1, 70),
+        cols=st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(1, 9)),
+        capacity_frac=st.floats(0.05, 1.0),
+        tau=st.sampled_from([0.0, 0.5, 1.0, float("inf")]),
+        threads=st.integers(1, 4),
+        grain=st.integers(1, 8),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(self, dtype, with_gate, n, cols, capacity_frac, tau, threads, grain, seed):
+        gate_cols, up_cols, hidden = cols
+        gate, up, _ = make_weights(n, up_cols, dtype, seed, gate_cols=gate_cols)
+        down = torch.randn(hidden, n, generator=torch.Generator().manual_seed(seed + 1))
+        down = down.to(dtype)
+        self.gate, self.up, self.down = (gate if with_gate else None), up, down
+        self.capacity = max(1, round(capacity_frac * n))
+        config = CacheConfig(hybrid_tau=tau, grain=grain, par_threshold=2, num_threads=threads)
+        self.cache = PairedCache(up, down, self.gate, capacity=self.capacity, config=config)
+        self.model = np.zeros(n, dtype=bool)
+        self.updates = 0
+        self.rng = np.random.default_rng(seed)
+
+    def _apply(self, mask: np.ndarray) -> None:
+        old = self.model
+        info = self.cache.update(torch.from_numpy(mask.copy()))
+        added, removed = int((mask & ~old).sum()), int((old & ~mask).sum())
+        assert (info.added, info.removed) == (added, removed)
+        if not info.rebuilt:
+            # Paired replacement never moves more than max(|A|, |R|) rows.
+            assert info.rows_copied <= max(added, removed)
+        else:
+            assert info.rows_copied == int(mask.sum())
+        self.model = mask.copy()
+        self.updates += 1
+
+    @rule(data=st.data())
+    def random_mask(self, data):
+        count = data.draw(st.integers(0, self.capacity))
+        mask = np.zeros(self.model.shape[0], dtype=bool)
+        mask[self.rng.choice(mask.shape[0], size=count, replace=False)] = True
+        self._apply(mask)
+
+    @rule(flips=st.integers(1, 6))
+    def flip_a_few(self, flips):
+        mask = self.model.copy()
+        for i in self.rng.integers(0, mask.shape[0], size=flips):
+            mask[i] = ~mask[i]
+        if mask.sum() <= self.capacity:
+            self._apply(mask)
+
+    @rule()
+    def empty(self):
+        self._apply(np.zeros_like(self.model))
+
+    @rule()
+    def unchanged(self):
+        self._apply(self.model.copy())
+        assert self.cache.update(torch.from_numpy(self.model.copy())).rows_copied == 0
+        self.updates += 1
+
+    @precondition(lambda self: self.capacity == self.model.shape[0])
+    @rule()
+    def full(self):
+        self._apply(np.ones_like(self.model))
+
+    @precondition(lambda self: self.capacity < self.model.shape[0])
+    @rule()
+    def over_capacity_is_rejected(self):
+        mask = np.zeros_like(self.model)
+        mask[self.rng.choice(mask.shape[0], size=self.capacity + 1, replace=False)] = True
+        before = (self.cache.active_indices(), self.cache.stats)
+        with pytest.raises(ValueError, match=rf"selects {self.capacity + 1} rows but capacity"):
+            self.cache.update(torch.from_numpy(mask))
+        assert torch.equal(self.cache.active_indices(), before[0])
+        assert self.cache.stats == before[1]
+
+    @invariant()
+    def matches_model(self):
+        self.cache.check_valid()
+        assert np.array_equal(self.cache.mask().numpy(), self.model)
+        idx = self.cache.active_indices().long()
+        assert self.cache.num_active == int(self.model.sum()) == idx.numel()
+        assert np.array_equal(np.sort(idx.numpy()), np.flatnonzero(self.model))
+        positions = self.cache.index_to_position()
+        assert torch.equal(positions[idx], torch.arange(idx.numel(), dtype=torch.int32))
+        assert int((positions >= 0).sum()) == idx.numel()
+        if self.gate is not None:
+            assert np.array_equal(as_bits(self.cache.gate()), as_bits(self.gate[idx]))
+        assert np.array_equal(as_bits(self.cache.up()), as_bits(self.up[idx]))
+        assert np.array_equal(as_bits(self.cache.down()), as_bits(self.down[:, idx]))
+        assert self.cache.stats.updates == self.updates
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPairedCacheStateMachine = CacheMachine.TestCase
