@@ -1,5 +1,46 @@
 """Block-diffusion LM inference with a static KV cache, exported to ExecuTorch."""
 
 from diffulex_edge.__about__ import __version__
+from diffulex_edge.backends import Backend, EagerBlockKV, EagerCacheIO, EagerDynamic
+from diffulex_edge.checkpoint import load_checkpoint, save_checkpoint
+from diffulex_edge.cli import trained_checkpoint
+from diffulex_edge.config import SDARConfig, sdar_1p7b_config, tiny_config
+from diffulex_edge.export import EXPORT_VARIANTS, ExportResult, export_pte, quantize_8da4w
+from diffulex_edge.generate import GenerationConfig, GenerationResult, generate
+from diffulex_edge.kv_cache import DynamicKVCache, StaticCacheLayout
+from diffulex_edge.masks import CacheIOMasks, block_attention_mask, cache_io_masks
+from diffulex_edge.model import SDARModel, random_model
+from diffulex_edge.remasking import REMASKING
+from diffulex_edge.runtime import PteEngine
+from diffulex_edge.sampling import SamplingConfig
 
-__all__ = ["__version__"]
+__all__ = [
+    "EXPORT_VARIANTS",
+    "REMASKING",
+    "Backend",
+    "CacheIOMasks",
+    "DynamicKVCache",
+    "EagerBlockKV",
+    "EagerCacheIO",
+    "EagerDynamic",
+    "ExportResult",
+    "GenerationConfig",
+    "GenerationResult",
+    "PteEngine",
+    "SDARConfig",
+    "SDARModel",
+    "SamplingConfig",
+    "StaticCacheLayout",
+    "__version__",
+    "block_attention_mask",
+    "cache_io_masks",
+    "export_pte",
+    "generate",
+    "load_checkpoint",
+    "quantize_8da4w",
+    "random_model",
+    "save_checkpoint",
+    "sdar_1p7b_config",
+    "tiny_config",
+    "trained_checkpoint",
+]

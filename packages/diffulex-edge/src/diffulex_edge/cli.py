@@ -1,0 +1,172 @@
+"""``diffulex-edge export | generate | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+from diffulex_edge.checkpoint import load_checkpoint
+from diffulex_edge.config import tiny_config
+from diffulex_edge.generate import GenerationConfig
+from diffulex_edge.remasking import REMASKING
+from diffulex_edge.sampling import SamplingConfig
+
+TRAINED = "sort8"
+
+
+def trained_checkpoint() -> Path:
+    """The bundled tiny SDAR model trained on 8-digit sorting (``python -m diffulex_edge.train``)."""
+    return Path(str(files("diffulex_edge") / "checkpoints" / TRAINED))
+
+
+def _model(args):
+    from diffulex_edge.model import random_model
+
+    if args.tiny:
+        return random_model(tiny_config(), seed=0)
+    return load_checkpoint(args.checkpoint or trained_checkpoint())
+
+
+def _add_source(p, with_pte: bool) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--checkpoint", help="Hugging Face-layout SDAR directory")
+    group.add_argument("--tiny", action="store_true", help="a seeded random tiny config")
+    if with_pte:
+        group.add_argument("--pte", help="an exported diffulex-edge .pte")
+    p.epilog = f"With no source, the bundled trained model ({TRAINED}) is used."
+
+
+def _prompt_ids(args) -> list[int]:
+    from diffulex_edge.task import encode
+
+    if args.prompt_ids is not None:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",")]
+        except ValueError as err:
+            msg = f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}"
+            raise ValueError(msg) from err
+    return encode(args.prompt)
+
+
+def cmd_export(args) -> None:
+    from diffulex_edge.export import export_pte
+
+    result = export_pte(
+        _model(args), args.output, args.max_seq, args.block_size, args.variant, args.quantize
+    )
+    print(
+        f"wrote {result.path} ({result.pte_bytes / 2**20:.2f} MiB, {result.variant}, "
+        f"static KV {result.layout.nbytes} bytes = {result.layout.shape})"
+    )
+
+
+def cmd_generate(args) -> None:
+    from diffulex_edge.task import decode
+
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        remasking=args.remasking,
+        threshold=args.threshold,
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+    )
+    prompt = _prompt_ids(args)
+    if args.pte:
+        from diffulex_edge.runtime import PteEngine
+
+        result = PteEngine(args.pte).generate(prompt, config)
+    else:
+        from diffulex_edge.backends import EagerDynamic
+        from diffulex_edge.generate import generate
+
+        model = _model(args)
+        c = model.config
+        if c.mask_token_id is None:
+            raise ValueError("the checkpoint's config.json has no mask_token_id")
+        backend = EagerDynamic(model, args.block_size)
+        result = generate(backend, prompt, config, c.mask_token_id, c.eos_token_id)
+    text = decode(result.tokens) if args.prompt is not None else result.tokens
+    print(text)
+    print(
+        f"[{result.decoded_tokens} tokens in {result.denoise_forwards} denoising + "
+        f"{result.commit_forwards} commit forwards; {result.tokens_per_forward:.2f} tokens/forward]",
+        file=sys.stderr,
+    )
+
+
+def cmd_bench(args) -> None:
+    import tempfile
+
+    import torch
+
+    from diffulex_edge.backends import EagerDynamic
+    from diffulex_edge.export import export_pte
+    from diffulex_edge.measure import run_sort_task, sort_prompts
+    from diffulex_edge.runtime import PteEngine
+
+    torch.set_num_threads(args.threads)
+    model = load_checkpoint(trained_checkpoint())
+    c = model.config
+    prompts = sort_prompts(args.prompts)
+    config = GenerationConfig(max_new_tokens=12, remasking=args.remasking)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_pte(model, Path(tmp) / "m.pte", 32, 4, "block_kv")
+        engine = PteEngine(Path(tmp) / "m.pte", expected_config=c)
+        for name, backend in (("eager", EagerDynamic(model, 4)), ("pte", engine.backend)):
+            run_sort_task(backend, prompts[:1], config, c.mask_token_id, c.eos_token_id)  # warm-up
+            r = run_sort_task(backend, prompts, config, c.mask_token_id, c.eos_token_id)
+            print(
+                f"{name:5s} {r.tokens_per_s:8.1f} tokens/s  {r.tokens_per_forward:.2f} tokens/forward"
+                f"  exact match {r.exact_match:.3f}"
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffulex-edge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export", help="export a model to an ExecuTorch .pte (XNNPACK)")
+    _add_source(p, with_pte=False)
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--variant", choices=["block_kv", "cache_io"], default="block_kv")
+    p.add_argument("--max-seq", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--quantize", choices=["8da4w"], default=None)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="block-diffusion generation (eager or .pte)")
+    _add_source(p, with_pte=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="digits for the sorting model, e.g. 31415926")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--block-size", type=int, default=4, help="eager only; a .pte fixes its own")
+    p.add_argument("--remasking", choices=sorted(REMASKING), default="low_confidence_dynamic")
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="eager vs .pte decode speed on the bundled model")
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for eager")
+    p.add_argument("--remasking", choices=sorted(REMASKING), default="low_confidence_dynamic")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"diffulex-edge {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Export the static graphs to an ExecuTorch ``.pte`` through the XNNPACK backend.
+
+Two graph variants (registry :data:`EXPORT_VARIANTS`):
+
+- ``cache_io``: :meth:`SDARModel.forward_export` as designed; every step passes the whole
+  cache plus three per-layer masks in and gets the whole updated cache back.
+- ``block_kv``: :meth:`SDARModel.forward_block_kv` in the style of ExecuTorch's
+  StaticAttention; the cache is a read-only input and only the block's K/V come back.
+
+The program also carries constant methods describing what it was exported for (format
+version, variant, cache geometry, token ids, a digest of the model config), which
+:class:`diffulex_edge.runtime.PteEngine` checks before running anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diffulex_edge.kv_cache import StaticCacheLayout
+from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
+from diffulex_edge.model import SDARModel
+
+PTE_FORMAT_VERSION = 1
+QUANTIZATIONS = ("8da4w",)
+
+
+class CacheIOGraph(nn.Module):
+    variant_id = 0
+
+    def __init__(self, model: SDARModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, kv_cache, attention_mask, insert_matrix, keep_mask):
+        return self.model.forward_export(
+            input_ids, positions, kv_cache, attention_mask, insert_matrix, keep_mask
+        )
+
+    @staticmethod
+    def example_inputs(layout: StaticCacheLayout) -> tuple[torch.Tensor, ...]:
+        masks = cache_io_masks(layout, 0, commit=True)
+        ids = torch.zeros(layout.batch, layout.block_size, dtype=torch.long)
+        return (
+            ids,
+            block_positions(layout, 0),
+            layout.allocate(),
+            masks.attention_mask,
+            masks.insert_matrix,
+            masks.keep_mask,
+        )
+
+
+class BlockKVGraph(nn.Module):
+    variant_id = 1
+
+    def __init__(self, model: SDARModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, kv_cache, attention_mask):
+        return self.model.forward_block_kv(input_ids, positions, kv_cache, attention_mask)
+
+    @staticmethod
+    def example_inputs(layout: StaticCacheLayout) -> tuple[torch.Tensor, ...]:
+        ids = torch.zeros(layout.batch, layout.block_size, dtype=torch.long)
+        return ids, block_positions(layout, 0), layout.allocate(), block_attention_mask(layout, 0)
+
+
+EXPORT_VARIANTS: dict[str, type[nn.Module]] = {"cache_io": CacheIOGraph, "block_kv": BlockKVGraph}
+
+
+def config_digest(config) -> int:
+    """A 31-bit digest of the model config (so a .pte cannot be paired with another model)."""
+    text = json.dumps(config.to_dict(), sort_keys=True)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
+
+
+def program_metadata(model: SDARModel, layout: StaticCacheLayout, variant: str) -> dict[str, int]:
+    c = model.config
+    return {
+        "diffulex_format_version": PTE_FORMAT_VERSION,
+        "variant_id": EXPORT_VARIANTS[variant].variant_id,
+        "num_layers": c.num_hidden_layers,
+        "kv_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "block_size": layout.block_size,
+        "max_seq": layout.max_seq,
+        "mask_token_id": -1 if c.mask_token_id is None else c.mask_token_id,
+        "eos_token_id": -1 if c.eos_token_id is None else c.eos_token_id,
+        "config_digest": config_digest(c),
+    }
+
+
+def quantize_8da4w(model: SDARModel, group_size: int = 32) -> SDARModel:
+    """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao).
+
+    Works in place on ``model`` (pass a copy to keep the float one). Needs the ``quant`` extra.
+    """
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.in_features % group_size:
+            raise ValueError(
+                f"8da4w needs in_features divisible by group_size {group_size}; "
+                f"a linear layer has {module.in_features}"
+            )
+    quantize_(
+        model,
+        Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)
+        ),
+    )
+    return model
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    variant: str
+    layout: StaticCacheLayout
+    quantize: str | None
+    pte_bytes: int
+
+
+def export_pte(
+    model: SDARModel,
+    path: str | Path,
+    max_seq: int,
+    block_size: int = 4,
+    variant: str = "block_kv",
+    quantize: str | None = None,
+) -> ExportResult:
+    """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``.
+
+    Any failure of the toolchain propagates; the file is written to a temp name and renamed.
+    """
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    if variant not in EXPORT_VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(EXPORT_VARIANTS)}, got {variant!r}")
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {quantize!r}")
+    layout = StaticCacheLayout.for_model(model.config, max_seq=max_seq, block_size=block_size)
+    if max_seq > model.config.max_position_embeddings:
+        raise ValueError(
+            f"max_seq {max_seq} exceeds the model's max_position_embeddings "
+            f"{model.config.max_position_embeddings}"
+        )
+    graph_cls = EXPORT_VARIANTS[variant]
+    metadata = program_metadata(model, layout, variant)
+    if quantize == "8da4w":
+        import copy
+
+        model = quantize_8da4w(copy.deepcopy(model))
+    graph = graph_cls(model).eval()
+    with torch.no_grad():
+        exported = torch.export.export(graph, graph_cls.example_inputs(layout), strict=False)
+    edge = to_edge_transform_and_lower(
+        exported, partitioner=[XnnpackPartitioner()], constant_methods=metadata
+    )
+    buffer = edge.to_executorch().buffer
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}."
+    )
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return ExportResult(path, variant, layout, quantize, len(buffer))

@@ -1,0 +1,63 @@
+"""The synthetic digit-sorting task the bundled tiny SDAR model is trained on.
+
+Prompt: ``d_1 .. d_n SEP`` (n random digits); answer: the digits sorted ascending, then
+``EOS``; training pads the sequence to whole blocks with EOS (as SDAR's SFT pads with its
+end-of-text token), so a decoded block after the answer is all EOS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DIGITS = 10
+SEP = 10
+EOS = 11
+MASK = 12
+VOCAB_SIZE = 16  # 13 used; rounded up so the embedding rows stay aligned
+
+
+@dataclass(frozen=True)
+class SortTask:
+    num_digits: int = 8
+    block_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_digits < 1:
+            raise ValueError(f"num_digits must be >= 1, got {self.num_digits}")
+
+    @property
+    def prompt_len(self) -> int:
+        return self.num_digits + 1
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt + answer + EOS, rounded up to whole blocks."""
+        raw = 2 * self.num_digits + 2
+        return -(-raw // self.block_size) * self.block_size
+
+    def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """(batch, seq_len) int64 full sequences: prompt, sorted digits, EOS padding."""
+        digits = torch.randint(0, DIGITS, (batch, self.num_digits), generator=generator)
+        seq = torch.full((batch, self.seq_len), EOS, dtype=torch.long)
+        seq[:, : self.num_digits] = digits
+        seq[:, self.num_digits] = SEP
+        seq[:, self.prompt_len : self.prompt_len + self.num_digits] = digits.sort(dim=1).values
+        return seq
+
+    def expected(self, prompt: list[int]) -> list[int]:
+        return sorted(prompt[: self.num_digits])
+
+
+def encode(digits: str) -> list[int]:
+    """``"31415"`` -> prompt ids ``[3, 1, 4, 1, 5, SEP]``."""
+    if not digits or not digits.isdigit():
+        raise ValueError(f"prompt must be a non-empty string of digits, got {digits!r}")
+    return [int(c) for c in digits] + [SEP]
+
+
+def decode(ids: list[int]) -> str:
+    """Ids -> text: digits as themselves, other ids in angle brackets."""
+    names = {SEP: "|", EOS: "<eos>", MASK: "<mask>"}
+    return "".join(str(i) if i < DIGITS else names.get(i, f"<{i}>") for i in ids)
