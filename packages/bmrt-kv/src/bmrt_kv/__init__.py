@@ -1,5 +1,19 @@
 """Bounded-memory recursive KV cache for Hugging Face transformers models."""
 
 from bmrt_kv.__about__ import __version__
+from bmrt_kv.cache import BMRTCache
+from bmrt_kv.config import BMRTConfig
+from bmrt_kv.hooks import detach
+from bmrt_kv.selectors import SELECTORS, TIE_BREAKERS, Pool, Selector, make_selector
 
-__all__ = ["__version__"]
+__all__ = [
+    "SELECTORS",
+    "TIE_BREAKERS",
+    "BMRTCache",
+    "BMRTConfig",
+    "Pool",
+    "Selector",
+    "__version__",
+    "detach",
+    "make_selector",
+]

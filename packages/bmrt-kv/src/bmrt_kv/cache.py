@@ -1,0 +1,98 @@
+"""The bounded-memory recursive KV cache, a transformers ``Cache``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from bmrt_kv.config import BMRTConfig
+from bmrt_kv.hooks import attach
+from bmrt_kv.layer import BMRTLayer
+from bmrt_kv.selectors import make_selector
+
+
+class BMRTCache(Cache):
+    """A KV cache that holds at most ``config.budget`` tokens per layer, compressing
+    recursively block by block: State_t = Compress(State_{t-1} U Block_t).
+
+    Use it like any transformers cache::
+
+        cache = BMRTCache(model, BMRTConfig(budget=512, block_size=256, selector="lsh"))
+        model(input_ids=block, past_key_values=cache)          # one block at a time
+        model.generate(ids, past_key_values=cache, prefill_chunk_size=256)
+
+    Constructing it installs forward hooks on ``model`` (see :mod:`bmrt_kv.hooks`) that
+    hand each layer its block's queries after attention; the hooks are inert for other
+    caches. Inputs must be unpadded (one sequence, or equal-length rows).
+
+    Args:
+        model: a Llama / Mistral / Qwen2 / Qwen3 causal LM (full attention layers only).
+        config: the :class:`BMRTConfig`; keyword ``overrides`` replace its fields.
+    """
+
+    def __init__(self, model: nn.Module, config: BMRTConfig | None = None, **overrides):
+        config = config or BMRTConfig()
+        if overrides:
+            config = replace(config, **overrides)
+        text_config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None)
+        if "sliding_attention" in (layer_types or []) or (
+            layer_types is None and getattr(text_config, "sliding_window", None) is not None
+        ):
+            raise ValueError(
+                "model has sliding-window attention layers; BMRTCache supports full "
+                "attention only (set use_sliding_window=False / sliding_window=None)"
+            )
+        inv_freq = _inv_freq(model) if config.positions == "rerotate" else None
+        layers = [
+            BMRTLayer(
+                config, make_selector(config.selector, config.selector_options, seed), inv_freq
+            )
+            for seed in (config.seed * 100_003 + i for i in range(text_config.num_hidden_layers))
+        ]
+        super().__init__(layers=layers)
+        self.config = config
+        #: trailing tokens of the next forward that only score (query-aware mode).
+        self.scoring_only_tokens = 0
+        attach(model, BMRTCache)
+
+    def finish_layer(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """Called by the attention hook after layer ``layer_idx``'s attention ran.
+
+        queries: (b, H, T, hd) rotated queries of the forward's T tokens.
+        """
+        self.layers[layer_idx].finish(queries, self.scoring_only_tokens)
+
+    @property
+    def stored_tokens(self) -> list[int]:
+        """Tokens each layer holds now."""
+        return [layer.stored for layer in self.layers]
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values held now, all layers."""
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
+        )
+
+    def peak_kv_bytes(self) -> int:
+        """Bytes of keys and values at each layer's largest size (during a block)."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                b, h, _, hd = layer.keys.shape
+                per_token = b * h * (hd + layer.values.shape[-1]) * layer.keys.element_size()
+                total += layer.peak_tokens * per_token
+        return total
+
+
+def _inv_freq(model: nn.Module) -> torch.Tensor:
+    rotary = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
+    if not rotary or not hasattr(rotary[0], "inv_freq"):
+        raise ValueError(
+            "positions='rerotate' needs the model's rotary embedding (a rotary_emb module "
+            "with inv_freq); this model has none"
+        )
+    return rotary[0].inv_freq.detach().clone()

@@ -1,0 +1,90 @@
+"""The selector interface: rank a layer's candidate tokens by relevance to the current queries."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Pool:
+    """One layer's tokens at a compression step: what it kept plus the new block.
+
+    ``h`` is the number of KV heads; the ``G`` query heads sharing a KV head contribute
+    their queries to that head's group, so ``Q = G * T`` for a block of ``T`` tokens.
+
+    Attributes:
+        keys: (b, h, P, hd) float, rotated keys of the pool, sorted by position per head.
+        positions: (b, h, P) int64, original (absolute) position of each pool token.
+        queries: (b, h, Q, hd) float, rotated scoring queries grouped per KV head, laid
+            out as ``query_groups`` query heads of ``Q // query_groups`` tokens each.
+        query_positions: (Q,) int64, position of each scoring query (for causal masks).
+        query_groups: G, the query heads per KV head.
+        candidates: (b, h, P) bool, True where a token may be selected (not anchor/window).
+        accumulated: (b, h, P) float or None, attention each token received so far (H2O).
+        query_weights: (Q,) float or None, how much each scoring query counts (None: 1
+            each). Query-aware scoring gives the question as much weight as the block.
+    """
+
+    keys: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor
+    query_positions: torch.Tensor
+    candidates: torch.Tensor
+    query_groups: int = 1
+    accumulated: torch.Tensor | None = None
+    query_weights: torch.Tensor | None = None
+
+
+class Selector(ABC):
+    """Ranks candidates; :meth:`select` returns exactly ``k`` distinct candidate indices.
+
+    Subclasses implement :meth:`score` (higher is more relevant). Ties keep pool order
+    (older first) because the ranking uses a stable sort, so selection is deterministic.
+    """
+
+    #: True when the selector needs ``Pool.accumulated`` kept up to date across steps.
+    stateful = False
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    @abstractmethod
+    def score(self, pool: Pool) -> torch.Tensor:
+        """Relevance of every pool token: (b, h, P) float64 (non-candidates are ignored)."""
+
+    def select(
+        self, pool: Pool, k: int, shared: bool = False, exclude: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Pick ``k`` candidates per (batch, head).
+
+        Args:
+            pool: the layer's pool.
+            k: how many to pick; every (batch, head) must have at least ``k`` eligible tokens.
+            shared: one index for all heads (scores summed over heads).
+            exclude: (b, h, P) bool, tokens already taken (hybrid's second stage).
+
+        Returns:
+            (b, h, k) int64 indices into the pool's P axis, distinct within each row.
+        """
+        scores = self.score(pool).to(torch.float64)
+        eligible = pool.candidates if exclude is None else pool.candidates & ~exclude
+        return top_k(scores, eligible, k, shared)
+
+
+def top_k(scores: torch.Tensor, eligible: torch.Tensor, k: int, shared: bool) -> torch.Tensor:
+    """Stable top-``k`` of ``scores`` (b, h, P) among ``eligible`` (b, h, P) -> (b, h, k)."""
+    b, h, _ = scores.shape
+    if shared:
+        # Shared index: the heads agree on one token set, so rank by the summed relevance.
+        scores = scores.sum(dim=1, keepdim=True)
+        eligible = eligible.all(dim=1, keepdim=True)
+    available = int(eligible.sum(dim=-1).min())
+    if available < k:
+        raise ValueError(f"k={k} exceeds the {available} eligible candidates")
+    scores = scores.masked_fill(~eligible, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    picked = order[..., :k]
+    return picked.expand(b, h, k) if shared else picked

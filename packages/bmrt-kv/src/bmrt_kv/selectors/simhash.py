@@ -1,0 +1,91 @@
+"""SimHash with L tables of K bits, computed with one matmul on the tensors' device."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SimHash:
+    """Random-hyperplane hashing: bit j of x is ``x . r_j > 0``.
+
+    The hyperplanes come from a CPU ``torch.Generator`` seeded with ``seed``, so the
+    same seed gives the same hashes on every device and run.
+
+    Args:
+        tables: L >= 1 hash tables.
+        bits: K bits per table, 1..16 (a table has 2**K buckets).
+        seed: generator seed.
+    """
+
+    def __init__(self, tables: int, bits: int, seed: int) -> None:
+        if not isinstance(tables, int) or tables < 1:
+            raise ValueError(f"tables must be an int >= 1, got {tables!r}")
+        if not isinstance(bits, int) or not 1 <= bits <= 16:
+            raise ValueError(f"bits must be an int in [1, 16], got {bits!r}")
+        self.tables = tables
+        self.bits = bits
+        self.seed = seed
+        self._planes: dict[tuple, torch.Tensor] = {}
+
+    def planes(self, head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(hd, L*K) hyperplanes, drawn once per (head_dim, device, dtype)."""
+        key = (head_dim, device, dtype)
+        if key not in self._planes:
+            gen = torch.Generator(device="cpu").manual_seed(self.seed)
+            planes = torch.randn(head_dim, self.tables * self.bits, generator=gen)
+            self._planes[key] = planes.to(device=device, dtype=dtype)
+        return self._planes[key]
+
+    def signs(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., N, hd) float -> (..., N, L*K) float of +-1."""
+        proj = torch.matmul(x, self.planes(x.shape[-1], x.device, x.dtype))
+        return torch.where(proj > 0, 1.0, -1.0).to(x.dtype)
+
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., N, hd) float, or its :meth:`signs` -> (..., N, L) int64 bucket ids."""
+        if x.shape[-1] != self.tables * self.bits:
+            x = torch.matmul(x, self.planes(x.shape[-1], x.device, x.dtype))
+        # Bits to bucket ids with one matmul against a block-diagonal matrix of powers of
+        # two (exact in float32 up to 2**24); cheaper than int64 shifts and sums on CPU.
+        return torch.matmul((x > 0).to(torch.float32), self._weights(x.device)).to(torch.int64)
+
+    def _weights(self, device: torch.device) -> torch.Tensor:
+        key = ("weights", device)
+        if key not in self._planes:
+            powers = 2.0 ** torch.arange(self.bits, dtype=torch.float32)
+            weights = torch.block_diag(*[powers.view(-1, 1)] * self.tables)  # (L*K, L)
+            self._planes[key] = weights.to(device)
+        return self._planes[key]
+
+
+def collision_counts(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    bits: int,
+    query_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How many (query, table) pairs share each key's bucket.
+
+    Args:
+        query_codes: (b, h, Q, L) int64.
+        key_codes: (b, h, P, L) int64.
+        bits: K, so buckets are [0, 2**K).
+        query_weights: (Q,) float, each query's weight (None: each counts 1).
+
+    Returns:
+        (b, h, P) = sum over tables l of #{q : code_l(q) == code_l(key)} (int64), or of
+        the weights of those queries (float64) when ``query_weights`` is given.
+    """
+    b, h, _, n_tables = query_codes.shape
+    buckets = 2**bits
+    # One histogram per (b, h, table): offset each row's codes into its own bucket range.
+    rows = torch.arange(b * h * n_tables, device=query_codes.device).view(b, h, 1, n_tables)
+    flat = (query_codes + rows * buckets).reshape(-1)
+    weights = None
+    if query_weights is not None:
+        weights = query_weights.to(torch.float64).view(1, 1, -1, 1).expand(query_codes.shape)
+        weights = weights.reshape(-1)
+    hist = torch.bincount(flat, weights=weights, minlength=b * h * n_tables * buckets)
+    hist = hist.view(b, h, n_tables, buckets)
+    per_table = hist.gather(-1, key_codes.permute(0, 1, 3, 2))  # (b, h, L, P)
+    return per_table.sum(dim=-2)

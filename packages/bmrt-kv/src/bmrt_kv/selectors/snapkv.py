@@ -1,0 +1,39 @@
+"""SnapKV: attention from an observation window of the last queries, smoothed by pooling."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bmrt_kv.selectors.attention import attention_mass
+from bmrt_kv.selectors.base import Pool, Selector
+
+
+class SnapKVSelector(Selector):
+    """Scores = attention mass from the last ``window`` queries of each head, max-pooled.
+
+    Pooling over neighbouring positions keeps the context around a hit (a number and the
+    words next to it) instead of isolated tokens, as in the SnapKV paper.
+
+    Args:
+        window: observation-window length in tokens (>= 1).
+        kernel: pooling kernel size, odd (>= 1).
+    """
+
+    def __init__(self, seed: int = 0, window: int = 32, kernel: int = 7) -> None:
+        super().__init__(seed)
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd int >= 1, got {kernel!r}")
+        self.window = window
+        self.kernel = kernel
+
+    def score(self, pool: Pool) -> torch.Tensor:
+        mass = attention_mass(pool, last_queries=self.window)  # (b, h, P)
+        b, h, p = mass.shape
+        # The pool is sorted by position per head, so pooling along P is pooling over time.
+        pooled = F.max_pool1d(
+            mass.view(b * h, 1, p), self.kernel, stride=1, padding=self.kernel // 2
+        ).view(b, h, p)
+        return pooled.to(torch.float64)

@@ -1,0 +1,16 @@
+"""StreamingLLM: keep the anchors and the most recent tokens, nothing else."""
+
+from __future__ import annotations
+
+import torch
+
+from bmrt_kv.selectors.base import Pool, Selector
+
+
+class StreamingSelector(Selector):
+    """Fills the memory slots with the most recent candidates, so the kept set is the
+    anchors (attention sinks) plus one recent window of B - B/n tokens: StreamingLLM at
+    the same budget."""
+
+    def score(self, pool: Pool) -> torch.Tensor:
+        return pool.positions.to(torch.float64)

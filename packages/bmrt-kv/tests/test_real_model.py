@@ -1,0 +1,66 @@
+"""The embedded SmolLM2-135M-Instruct through the bounded cache, the stream and the CLI."""
+
+import torch
+from transformers import DynamicCache
+
+from bmrt_kv import BMRTCache, BMRTConfig
+from bmrt_kv.cli import main
+from bmrt_kv.evaluation import passkey_sample, run_sample
+
+
+def test_large_budget_equals_the_full_cache(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("The grass is green. " * 12, return_tensors="pt").input_ids
+    with torch.no_grad():
+        reference = model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).logits
+        cache = BMRTCache(model, budget=ids.shape[-1], protection_divisor=4, block_size=16)
+        got = torch.cat(
+            [model(input_ids=c, past_key_values=cache).logits for c in ids.split(16, -1)], 1
+        )
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
+
+
+def test_bounded_cache_retrieves_a_pass_key(smollm2):
+    model, tokenizer = smollm2
+    sample = passkey_sample(tokenizer, 1000, key=27611, depth=0.3)
+    config = BMRTConfig(budget=256, block_size=256, selector="snapkv", scoring="query_aware")
+    result = run_sample(model, tokenizer, sample, config)
+    assert result["correct"], result["output"]
+    # 256 tokens of 30 layers x 3 KV heads x 64 dims x (K + V) x float32, plus one block.
+    assert result["peak_kv_bytes"] == (256 + 256) * 30 * 3 * 64 * 2 * 4
+
+
+def test_cli_run_answers_from_a_file(tmp_path, capsys):
+    from membound_testing import smollm2_float_dir
+
+    text = tmp_path / "notes.txt"
+    text.write_text("Note: the meeting with Anna is on Tuesday at the harbour office.")
+    code = main(
+        [
+            "run",
+            str(text),
+            "--model",
+            str(smollm2_float_dir()),
+            "--question",
+            "When is the meeting with Anna? It is on",
+            "--budget",
+            "64",
+            "--divisor",
+            "4",
+            "--block-size",
+            "32",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
+    assert code == 0
+    assert "Tuesday" in capsys.readouterr().out
+
+
+def test_cli_rejects_a_bad_config(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(tmp_path / "x.txt"), "--model", "m", "--question", "q", "--divisor", "2"])
+    assert exit_info.value.code == 2
+    assert "protection_divisor" in capsys.readouterr().err
