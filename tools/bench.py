@@ -20,8 +20,7 @@ START, END = "<!-- measured:start -->", "<!-- measured:end -->"
 
 
 def _cell(value) -> str:
-    if isinstance(value, float):
-        value = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    # Benchmarks round their own numbers: render them as written.
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
