@@ -6,8 +6,8 @@
    (computed from the layout) and measured .pte step latency, side by side.
 3. sdar_1p7b_2layer: an SDAR-1.7B-shaped random config cut to 2 layers, eager vs .pte.
 
-Each writes benchmarks/results/<name>.json, prints its markdown table, and the package
-README's measured section is rewritten from the JSON.
+Each writes benchmarks/results/<name>.json and prints its markdown table; tools/bench.py
+renders the JSON into the READMEs.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from membound_testing import machine_info
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-README = HERE.parent / "README.md"
 COMMAND = "hatch run diffulex-edge:bench"
 NOTE_LOAD = (
     "2-core machine shared with other jobs during the run (load average often > 4): absolute "
@@ -388,16 +387,6 @@ def bench_1p7b(tmp: Path) -> None:
     )
 
 
-def update_readme() -> None:
-    start, end = "<!-- measured:start -->", "<!-- measured:end -->"
-    text = README.read_text()
-    if start not in text:
-        return
-    parts = [render(json.loads(p.read_text())) for p in sorted(RESULTS.glob("*.json"))]
-    head, rest = text.split(start, 1)
-    README.write_text(head + start + "\n" + "\n".join(parts) + rest[rest.index(end) :])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few prompts, no 1.7B-shaped run")
@@ -418,7 +407,6 @@ def main() -> None:
             bench_variants(decode, args.quick)
         if not args.quick and args.only in (None, "1p7b"):
             bench_1p7b(tmp)
-    update_readme()
 
 
 if __name__ == "__main__":
