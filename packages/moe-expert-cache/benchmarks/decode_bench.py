@@ -121,7 +121,7 @@ def run(quick: bool = False) -> dict:
         "every round; median tokens/s "
         "after the first token. Hit rate and swaps over the timed rounds. Shards are in the OS "
         "page cache (written just before), so a miss costs a memory copy, not a disk read. "
-        "mlx[cpu] on a 2-core machine shared with other jobs: timings are noisy.",
+        "mlx[cpu] on a 2-core machine.",
         quick=quick,
     )
 

@@ -13,8 +13,8 @@ from paired_cache.microbench import markdown
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND = "hatch run paired-cache:bench"
 NOISE = (
-    "Measured on a 2-core machine shared with other jobs (load average 5-10 during the run): "
-    "absolute times are noisy; the side-by-side ratios within one run are what to read."
+    "Measured on a 2-core machine: absolute times move with whatever else runs there, so "
+    "read the side-by-side ratios within one run."
 )
 
 

@@ -211,9 +211,7 @@ def run(quick: bool = False) -> dict:
         rows,
         targets,
         "Median of interleaved runs decoding every Linear weight of the set into "
-        "preallocated buffers (zipnn allocates its outputs). The 2-core machine was shared "
-        "with other jobs while measuring, so absolute GB/s are low and noisy; compare "
-        "rows of the same run. SmolLM2's weights come from a Q4_1 GGUF: their ratio is "
+        "preallocated buffers (zipnn allocates its outputs). Compare rows of the same run. SmolLM2's weights come from a Q4_1 GGUF: their ratio is "
         "not representative of trained float weights.",
     )
 

@@ -191,9 +191,8 @@ def run(quick: bool = False, repeats: int | None = None) -> dict:
         f"Medians of {repeats} interleaved repeats; every policy's tokens equal the plain "
         "model's. Resident = compressed bytes + peak decoded bytes (plain: the Linear "
         f"weights). Process RSS at the end {rss_mib():.0f} MiB (it holds the plain "
-        "reference model too, so it is no per-policy measure). The 2-core machine was "
-        "shared with other jobs, so times are noisy; the decode threads and the matmul "
-        "compete for the same 2 cores. SmolLM2's weights come from a Q4_1 GGUF.",
+        "reference model too, so it is no per-policy measure). The decode threads and the "
+        "matmul compete for the same 2 cores. SmolLM2's weights come from a Q4_1 GGUF.",
     )
 
 
