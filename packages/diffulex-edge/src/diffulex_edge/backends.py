@@ -86,14 +86,11 @@ class EagerDynamic(Backend):
         self.cache_len = n
 
 
-class _Static(Backend):
-    def __init__(self, model: SDARModel, layout: StaticCacheLayout) -> None:
+class StaticCacheBackend(Backend):
+    """A backend over a preallocated static KV cache of ``layout`` (eager or .pte)."""
+
+    def __init__(self, layout: StaticCacheLayout) -> None:
         super().__init__()
-        if layout.batch != 1:
-            raise ValueError(
-                f"decoding runs one sequence; layout.batch must be 1, got {layout.batch}"
-            )
-        self.model = model
         self.layout = layout
         self.block_size = layout.block_size
         self.max_seq = layout.max_seq
@@ -102,6 +99,16 @@ class _Static(Backend):
     def reset(self) -> None:
         self.kv_cache = self.layout.allocate()
         self.cache_len = 0
+
+
+class _Static(StaticCacheBackend):
+    def __init__(self, model: SDARModel, layout: StaticCacheLayout) -> None:
+        if layout.batch != 1:
+            raise ValueError(
+                f"decoding runs one sequence; layout.batch must be 1, got {layout.batch}"
+            )
+        self.model = model
+        super().__init__(layout)
 
 
 class EagerCacheIO(_Static):

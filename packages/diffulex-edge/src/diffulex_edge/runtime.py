@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from diffulex_edge.backends import Backend
+from diffulex_edge.backends import StaticCacheBackend
 from diffulex_edge.config import SDARConfig
 from diffulex_edge.export import EXPORT_VARIANTS, PTE_FORMAT_VERSION, config_digest
 from diffulex_edge.generate import GenerationConfig, GenerationResult, generate
@@ -34,21 +34,13 @@ _META_KEYS = (
 )
 
 
-class PteBackend(Backend):
+class PteBackend(StaticCacheBackend):
     """A :class:`Backend` over a loaded ExecuTorch ``forward`` method."""
 
     def __init__(self, method, variant: str, layout: StaticCacheLayout) -> None:
-        super().__init__()
         self.method = method
         self.variant = variant
-        self.layout = layout
-        self.block_size = layout.block_size
-        self.max_seq = layout.max_seq
-        self.reset()
-
-    def reset(self) -> None:
-        self.kv_cache = self.layout.allocate()
-        self.cache_len = 0
+        super().__init__(layout)
 
     def _run(self, block_ids: torch.Tensor, commit: bool) -> torch.Tensor:
         positions = block_positions(self.layout, self.cache_len)
