@@ -7,12 +7,11 @@ import sys
 from common import NOISE, write_result
 
 from paired_cache.config import CacheConfig
-from paired_cache.microbench import BenchConfig, run
+from paired_cache.microbench import COLD_BYTES, BenchConfig, run
 
 
 def targets_for(result: dict, label: str) -> list[dict]:
     cells = result["cells"]
-    gbps = result["memcpy_gbps"]
     out = []
     for k, want in ((16, 5.0), (64, 3.0)):
         if ("float32", k) not in cells:
@@ -32,15 +31,16 @@ def targets_for(result: dict, label: str) -> list[dict]:
     for (dtype, k), c in cells.items():
         if k >= 256:
             for name in ("paired", "hybrid"):
-                bound = c[name]["bytes"] / (gbps * 1e3)
-                worst.append((c[name]["us"] / bound, f"{dtype} k={k} {name}"))
+                bound = c[name]["bytes"] / (c["memcpy_gbps"] * 1e3)
+                where = f"{dtype} k={k} {name}; memcpy {c['memcpy_gbps']:.1f} GB/s"
+                worst.append((c[name]["us"] / bound, where))
     if worst:
         ratio, where = max(worst)
         out.append(
             {
                 "target": f"{label}: k >= 256: time per update <= 2x the memcpy bound "
-                "(bytes moved / single-thread memcpy GB/s)",
-                "measured": f"worst {ratio:.2f}x ({where}; memcpy {gbps:.2f} GB/s)",
+                "(bytes moved / the cell's single-thread cold memcpy GB/s)",
+                "measured": f"worst {ratio:.2f}x ({where})",
                 "met": ratio <= 2.0,
             }
         )
@@ -60,10 +60,22 @@ def targets_for(result: dict, label: str) -> list[dict]:
     return out
 
 
+BOUND_NOTES = (
+    "memcpy bound: in the same interleaved loop, 'memcpy' moves the bytes of the step's "
+    "paired update (k/2 rows) with one single-thread memcpy (numpy copyto) from a fresh "
+    f"random offset of a {COLD_BYTES >> 20} MiB source (8x the 32 MiB L3, so from DRAM) into "
+    "a buffer the size of the active rows; an update's bound is its bytes moved / that "
+    "cell's memcpy GB/s. 'memcpy_gather' moves the same bytes as pool-row-sized chunks from "
+    "random places of that source (torch.index_select, one memcpy per chunk): the cost of "
+    "the random placement alone, as context. The pools and the active rows sit on "
+    "transparent huge pages where the kernel grants them."
+)
+
+
 def main(quick: bool) -> None:
     cfg = BenchConfig()
     if quick:
-        cfg = BenchConfig(n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256), steps=20)
+        cfg = BenchConfig(n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256, 512), steps=20)
     all_cores = CacheConfig().num_threads
     for threads in sorted({1, all_cores}):
         result = run(cfg, threads, progress=lambda s: print(s, file=sys.stderr))
@@ -71,14 +83,14 @@ def main(quick: bool) -> None:
         write_result(
             f"update_{threads}t",
             f"Cache update vs rebuild, N={cfg.n_rows}, hidden=gate=up={cfg.cols}, m={cfg.m}, "
-            f"{label} (cache copies and torch alike); memcpy "
-            f"{result['memcpy_gbps']:.2f} GB/s",
+            f"{label} (cache copies and torch alike)",
             result["columns"],
             result["rows"],
             targets_for(result, label),
             NOISE + f" {cfg.steps} updates per cell, interleaved, medians. k = |added| + "
-            "|removed| (k/2 of each); baselines get precomputed indices; hybrid uses the "
-            "default tau = 0.5 (rebuild when k > tau * m).",
+            "|removed| (k/2 of each; k = 2m replaces every row); baselines get precomputed "
+            f"indices; hybrid uses the default tau = {CacheConfig().hybrid_tau:g} (rebuild "
+            "when k > tau * m, m the mean of the active rows before and after). " + BOUND_NOTES,
             save=not quick,
         )
 

@@ -32,7 +32,7 @@ typedef struct {
     int64_t hidden;        /* columns of down_pool_T */
     int64_t elem_size;     /* bytes per element: 4 float32, 2 float16/bfloat16 */
     int64_t capacity;      /* most rows active at once */
-    double hybrid_tau;     /* rebuild when |added| + |removed| > hybrid_tau * m */
+    double hybrid_tau;     /* rebuild when |A| + |R| > hybrid_tau * (m_old + m_new) / 2 */
     int64_t grain;         /* rows per parallel chunk */
     int64_t par_threshold; /* fewer rows than this are copied by the calling thread */
     int64_t num_threads;   /* threads for row copies, the caller included; >= 1 */

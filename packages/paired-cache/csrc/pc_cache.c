@@ -1,9 +1,13 @@
 /* Lifetime, accessors, invariant checks and statistics of the paired-replacement cache. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE on glibc and musl */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "pc_internal.h"
 
@@ -14,15 +18,28 @@
 #define PC_STR(x) PC_STR2(x)
 
 #define PC_ALIGN 64
+#define PC_HUGE_PAGE ((size_t)2 << 20)
 
 void *pc_aligned_alloc(size_t bytes) {
+    /* Buffers of a huge page or more (the pools, the active rows) are huge-page aligned and
+     * asked for transparent huge pages: an update reads rows at random places in pools far
+     * larger than the TLB covers with 4 KiB pages, and a page walk per row is what made the
+     * gathers slower than memcpy. The advice must come before the first touch (the memset);
+     * it is only a hint, so a kernel that declines it leaves a slower, still correct cache. */
+    size_t align = bytes >= PC_HUGE_PAGE ? PC_HUGE_PAGE : PC_ALIGN;
     /* aligned_alloc wants a multiple of the alignment; a zero-byte buffer still gets one line
      * so that every pointer the cache hands out is valid and distinct. */
-    size_t rounded = bytes == 0 ? PC_ALIGN : (bytes + PC_ALIGN - 1) / PC_ALIGN * PC_ALIGN;
-    void *ptr = aligned_alloc(PC_ALIGN, rounded);
-    if (ptr != NULL) {
-        memset(ptr, 0, rounded);
+    size_t rounded = bytes == 0 ? align : (bytes + align - 1) / align * align;
+    void *ptr = aligned_alloc(align, rounded);
+    if (ptr == NULL) {
+        return NULL;
     }
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == PC_HUGE_PAGE) {
+        (void)madvise(ptr, rounded, MADV_HUGEPAGE);
+    }
+#endif
+    memset(ptr, 0, rounded);
     return ptr;
 }
 

@@ -6,12 +6,51 @@
  * place; phase 3 appends the added rows left over; phase 4 closes the holes the leftover
  * removed rows leave by moving rows down from the end. Every copy of one update reads a
  * row nobody writes and writes a distinct position, so all copies run in one parallel
- * section before the metadata is updated sequentially. When |added| + |removed| exceeds
- * hybrid_tau * m, gathering the new set from the pools (rebuild) replaces the diff.
+ * section before the metadata is updated sequentially. When k = |added| + |removed| exceeds
+ * hybrid_tau * m (m: the mean of the active rows before and after), gathering the new set
+ * from the pools (rebuild) replaces the diff.
  */
 #include <string.h>
 
 #include "pc_internal.h"
+
+/* Index of the lowest set bit of x != 0. */
+static inline int lowest_bit(uint64_t x) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctzll(x);
+#else
+    int n = 0;
+    while (!(x & 1u)) {
+        x >>= 1;
+        n++;
+    }
+    return n;
+#endif
+}
+
+#define PC_BYTES_01 0x0101010101010101ull
+
+/* 8 mask bytes as one word, byte i of the mask in bits [8i, 8i + 8) whatever the host's
+ * byte order, so that bit 8i of a folded word is row id + i. */
+static inline uint64_t load_mask_word(const uint8_t *bytes) {
+    uint64_t w;
+    memcpy(&w, bytes, sizeof w);
+#if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && \
+    __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap64(w);
+#endif
+    return w;
+}
+
+/* Each byte of w folded to 0x00 or 0x01 (any nonzero byte means "active"): the OR of a
+ * byte's 8 bits lands in its lowest bit; bits shifted down from the next byte land only in
+ * higher bits, which the final mask clears. */
+static inline uint64_t fold_bytes(uint64_t w) {
+    w |= w >> 4;
+    w |= w >> 2;
+    w |= w >> 1;
+    return w & PC_BYTES_01;
+}
 
 typedef struct {
     pc_cache *cache;
@@ -47,17 +86,30 @@ static void run_copies(pc_cache *c, int64_t n) {
     pc_pool_for(c->pool, n, c->cfg.grain, c->cfg.par_threshold, copy_rows, &ctx);
 }
 
+/* Queues the copy of pool row id into the next packed position. */
+static inline void place(pc_cache *c, int64_t *m, int32_t id) {
+    c->copies[*m] = (pc_copy){.dst = (int32_t)*m, .src = id, .from_pool = 1};
+    c->active_indices[*m] = id;
+    c->index_to_position[id] = (int32_t)*m;
+    (*m)++;
+}
+
+/* Gathers the new set from the pools in row-id order (ascending addresses in each pool). */
 static int64_t rebuild(pc_cache *c, const uint8_t *new_mask) {
     for (int64_t p = 0; p < c->m; p++) {
         c->index_to_position[c->active_indices[p]] = -1;
     }
-    int64_t m = 0;
-    for (int64_t id = 0; id < c->cfg.n_rows; id++) {
+    int64_t m = 0, id = 0, n = c->cfg.n_rows;
+    for (; id + 8 <= n; id += 8) {
+        uint64_t set = fold_bytes(load_mask_word(new_mask + id));
+        while (set != 0) {
+            place(c, &m, (int32_t)(id + lowest_bit(set) / 8));
+            set &= set - 1;
+        }
+    }
+    for (; id < n; id++) {
         if (new_mask[id]) {
-            c->copies[m] = (pc_copy){.dst = (int32_t)m, .src = (int32_t)id, .from_pool = 1};
-            c->active_indices[m] = (int32_t)id;
-            c->index_to_position[id] = (int32_t)m;
-            m++;
+            place(c, &m, (int32_t)id);
         }
     }
     run_copies(c, m);
@@ -131,26 +183,61 @@ static int64_t pair_and_compact(pc_cache *c, int64_t na, int64_t nr) {
     return n;
 }
 
-int pc_update(pc_cache *c, const uint8_t *new_mask, int64_t *out_new_count) {
-    int64_t na = 0, nr = 0, new_count = 0;
-    for (int64_t id = 0; id < c->cfg.n_rows; id++) {
+/*
+ * added = new & ~old, removed = old & ~new, 8 rows per step: current_mask holds only 0 and
+ * 1, so a word of new_mask equal to the old word is unchanged (the common case when masks
+ * are temporally correlated) and costs one compare.
+ */
+static void diff_masks(pc_cache *c, const uint8_t *new_mask, int64_t *na_out, int64_t *nr_out) {
+    const uint8_t *old = c->current_mask;
+    int64_t na = 0, nr = 0, id = 0, n = c->cfg.n_rows;
+    for (; id + 8 <= n; id += 8) {
+        uint64_t now = load_mask_word(new_mask + id);
+        uint64_t was = load_mask_word(old + id);
+        if (now == was) {
+            continue;
+        }
+        now = fold_bytes(now);
+        for (uint64_t changed = now ^ was; changed != 0; changed &= changed - 1) {
+            int bit = lowest_bit(changed);
+            int32_t row = (int32_t)(id + bit / 8);
+            if ((now >> bit) & 1u) {
+                c->added[na++] = row;
+            } else {
+                c->removed[nr++] = row;
+            }
+        }
+    }
+    for (; id < n; id++) {
         uint8_t now = new_mask[id] != 0;
-        uint8_t was = c->current_mask[id];
-        new_count += now;
-        if (now && !was) {
+        if (now && !old[id]) {
             c->added[na++] = (int32_t)id;
-        } else if (was && !now) {
+        } else if (old[id] && !now) {
             c->removed[nr++] = (int32_t)id;
         }
     }
+    *na_out = na;
+    *nr_out = nr;
+}
+
+int pc_update(pc_cache *c, const uint8_t *new_mask, int64_t *out_new_count) {
+    int64_t na = 0, nr = 0;
+    diff_masks(c, new_mask, &na, &nr);
+    int64_t new_count = c->m + na - nr;
     if (out_new_count != NULL) {
         *out_new_count = new_count;
     }
     if (new_count > c->cfg.capacity) {
         return PC_ERR_CAPACITY; /* checked before any change: the cache is as it was */
     }
+    /* m in the rule is the mean of the active rows before and after, the issue's m when the
+     * mask keeps its size. A paired update copies max(|A|, |R|) rows at most (k / 2 for a
+     * same-size mask) and a rebuild new_count, in ascending row order, so k > tau * m with
+     * tau near 2 is where rebuilding starts to pay; k <= 2m always, so tau >= 2 never
+     * rebuilds. */
     int64_t k = na + nr;
-    int is_rebuild = k > 0 && (double)k > c->cfg.hybrid_tau * (double)c->m;
+    double mean_m = 0.5 * (double)(c->m + new_count);
+    int is_rebuild = k > 0 && (double)k > c->cfg.hybrid_tau * mean_m;
     int64_t copied = 0;
     if (is_rebuild) {
         copied = rebuild(c, new_mask);
@@ -159,8 +246,11 @@ int pc_update(pc_cache *c, const uint8_t *new_mask, int64_t *out_new_count) {
     } else {
         copied = pair_and_compact(c, na, nr);
     }
-    for (int64_t id = 0; id < c->cfg.n_rows; id++) {
-        c->current_mask[id] = new_mask[id] != 0;
+    for (int64_t i = 0; i < na; i++) {
+        c->current_mask[c->added[i]] = 1;
+    }
+    for (int64_t i = 0; i < nr; i++) {
+        c->current_mask[c->removed[i]] = 0;
     }
     pc_stats *st = &c->stats;
     st->updates++;

@@ -32,7 +32,7 @@ class CacheMachine(RuleBasedStateMachine):
         n=st.integers(1, 70),
         cols=st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(1, 9)),
         capacity_frac=st.floats(0.05, 1.0),
-        tau=st.sampled_from([0.0, 0.5, 1.0, float("inf")]),
+        tau=st.sampled_from([0.0, 0.5, 1.0, 1.8, 2.0, float("inf")]),
         threads=st.integers(1, 4),
         grain=st.integers(1, 8),
         seed=st.integers(0, 2**16),
@@ -44,6 +44,7 @@ class CacheMachine(RuleBasedStateMachine):
         down = down.to(dtype)
         self.gate, self.up, self.down = (gate if with_gate else None), up, down
         self.capacity = max(1, round(capacity_frac * n))
+        self.tau = tau
         config = CacheConfig(hybrid_tau=tau, grain=grain, par_threshold=2, num_threads=threads)
         self.cache = PairedCache(up, down, self.gate, capacity=self.capacity, config=config)
         self.model = np.zeros(n, dtype=bool)
@@ -55,9 +56,14 @@ class CacheMachine(RuleBasedStateMachine):
         info = self.cache.update(torch.from_numpy(mask.copy()))
         added, removed = int((mask & ~old).sum()), int((old & ~mask).sum())
         assert (info.added, info.removed) == (added, removed)
+        # The hybrid rule: rebuild when k > tau * m, m the mean of the rows before and after.
+        k, mean_m = added + removed, (int(old.sum()) + int(mask.sum())) / 2
+        assert info.rebuilt == (k > 0 and k > self.tau * mean_m)
         if not info.rebuilt:
-            # Paired replacement never moves more than max(|A|, |R|) rows.
+            # Paired replacement never moves more than max(|A|, |R|) rows, nor more than the
+            # rebuild it replaces would (the new count): why tau may default close to 2.
             assert info.rows_copied <= max(added, removed)
+            assert info.rows_copied <= int(mask.sum())
         else:
             assert info.rows_copied == int(mask.sum())
         self.model = mask.copy()

@@ -29,11 +29,14 @@ def test_bench_cli_writes_the_table(tmp_path, capsys):
     assert main(["bench", "--quick", "--steps", "3", "--threads", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert len(result["rows"]) == 2 * 3 * len(METHODS)  # dtypes x ks x methods
-    assert result["memcpy_gbps"] > 0
     by_key = {(r[0], r[1], r[2]): r for r in result["rows"]}
     moved = result["columns"].index("rows moved")
+    bound = result["columns"].index("x bound")
     assert by_key[("float32", 16, "paired")][moved] <= 8  # max(|A|, |R|) = k / 2
     assert by_key[("float32", 16, "torch_index_select")][moved] == 256
+    # The limit moves the paired update's bytes, so it is its own bound.
+    assert by_key[("float32", 16, "memcpy")][moved] == 8
+    assert by_key[("float32", 16, "memcpy")][bound] == 1.0
     assert "| float32 | 16 | paired |" in capsys.readouterr().out
 
 

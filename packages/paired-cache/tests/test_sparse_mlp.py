@@ -178,9 +178,9 @@ def test_full_mask_smollm2_logits_float32(smollm2, france):
         dense = model(france).logits
         sparsify_model(model, "fixed", 1.0, calibration_ids=france)
         got = model(france).logits
-    # float32 GEMMs over the packed (m, hidden) layout round differently from the dense
-    # (hidden, N) layout: measured ~4e-6 of the largest logit; allow 1e-5 of it.
-    assert (got - dense).abs().max().item() <= 1e-5 * dense.abs().max().item()
+    # The sparse path runs (30 caches, all rows active) and meets the bound in float32.
+    assert all(isinstance(m.mlp, SparseMLP) for m in model.model.layers)
+    assert (got - dense).abs().max().item() <= 1e-5
     assert torch.equal(got[0, -1].argmax(), dense[0, -1].argmax())
 
 

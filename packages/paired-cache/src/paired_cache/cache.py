@@ -148,7 +148,8 @@ class PairedCache:
             self.update(init_mask)
 
     def _mask_bytes(self, mask) -> torch.Tensor:
-        """Validate a mask and return it as a contiguous (N,) uint8 tensor."""
+        """Validate a mask and return it as a contiguous (N,) bool tensor: N bytes of 0 or 1,
+        which the C core reads as uint8."""
         if isinstance(mask, np.ndarray):
             if mask.dtype != np.bool_:
                 raise ValueError(f"mask must have dtype bool, got numpy {mask.dtype}")
@@ -161,7 +162,7 @@ class PairedCache:
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({self.n_rows},)")
         if mask.device.type != "cpu":
             raise ValueError(f"mask must be on the CPU, got device {mask.device}")
-        return mask.contiguous().view(torch.uint8)
+        return mask if mask.is_contiguous() else mask.contiguous()
 
     def update(self, new_mask) -> UpdateInfo:
         """Make the active set equal to new_mask: (N,) bool, at most capacity rows set.

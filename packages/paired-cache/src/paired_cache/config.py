@@ -10,6 +10,8 @@ ENV_TAU = "WEIGHT_CACHE_HYBRID_TAU_FRAC"
 ENV_GRAIN = "WEIGHT_CACHE_GRAIN"
 ENV_PAR_THRESHOLD = "WEIGHT_CACHE_PAR_THRESHOLD"
 MAX_THREADS = 64  # the C core's limit (PC_MAX_THREADS)
+# Measured break-even of paired vs rebuild for same-size masks (benchmarks/update_bench.py).
+DEFAULT_HYBRID_TAU = 1.8
 
 
 def _env_number(name: str, default, kind):
@@ -36,14 +38,21 @@ def _default_threads() -> int:
 class CacheConfig:
     """How a PairedCache updates.
 
-    hybrid_tau: rebuild by gather when |added| + |removed| > hybrid_tau * m (>= 0).
+    hybrid_tau: rebuild by gather when k = |added| + |removed| > hybrid_tau * m, where m is
+    the mean of the active rows before and after the update (>= 0; 0 always rebuilds,
+    >= 2 never does, since k <= 2m). The default 1.8 is measured, not the design's 0.5: a
+    paired update copies max(|A|, |R|) rows (k / 2 when the mask keeps its size), a rebuild
+    all m, in ascending row order and a little faster per row, so rebuilding only pays once
+    nearly every row changes.
     grain: rows per parallel chunk (>= 1). par_threshold: updates copying fewer rows stay
     on the calling thread (>= 0). num_threads: threads for row copies (1..64).
-    Each defaults to its environment variable (WEIGHT_CACHE_HYBRID_TAU_FRAC = 0.5,
+    Each defaults to its environment variable (WEIGHT_CACHE_HYBRID_TAU_FRAC = 1.8,
     WEIGHT_CACHE_GRAIN = 64, WEIGHT_CACHE_PAR_THRESHOLD = 64) or the usable cores.
     """
 
-    hybrid_tau: float = field(default_factory=lambda: _env_number(ENV_TAU, 0.5, float))
+    hybrid_tau: float = field(
+        default_factory=lambda: _env_number(ENV_TAU, DEFAULT_HYBRID_TAU, float)
+    )
     grain: int = field(default_factory=lambda: _env_number(ENV_GRAIN, 64, int))
     par_threshold: int = field(default_factory=lambda: _env_number(ENV_PAR_THRESHOLD, 64, int))
     num_threads: int = field(default_factory=_default_threads)

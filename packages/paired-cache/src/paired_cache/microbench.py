@@ -4,8 +4,12 @@ Every method walks the same chain of masks (m active rows out of N; each step sw
 active rows for k/2 inactive ones, so k = |added| + |removed|), interleaved step by step,
 and each update is timed alone. Baselines rebuild the whole active set from the same
 pre-transposed pools with precomputed indices (their strongest form): torch index_select
-and numpy fancy indexing (np.take). The physical limit is this machine's single-thread
-memcpy bandwidth, measured in the same run.
+and numpy fancy indexing (np.take). The physical limit is measured in the same loop:
+"memcpy" moves the bytes of the step's paired update (k/2 rows) as one single-thread
+memcpy from a fresh random offset of a source far larger than the last-level cache, into
+a destination the size of the active buffers; "memcpy_gather" moves the same bytes as
+pool-row-sized chunks from random places of that source (torch.index_select, one memcpy
+per chunk): the bound for rows that sit at random places, as context.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import torch
 from paired_cache.cache import PairedCache
 from paired_cache.config import CacheConfig
 
-METHODS = ["paired", "rebuild", "hybrid", "torch_index_select", "numpy_take"]
+METHODS = [
+    "paired",
+    "rebuild",
+    "hybrid",
+    "torch_index_select",
+    "numpy_take",
+    "memcpy",
+    "memcpy_gather",
+]
+COLD_BYTES = 256 << 20  # 8x the 32 MiB L3 of the benchmark machine: DRAM-resident
 
 
 @dataclass
@@ -31,7 +44,9 @@ class BenchConfig:
     hidden: int = 1024
     cols: int = 1024  # gate_cols = up_cols
     m: int = 1024
-    ks: tuple[int, ...] = (16, 64, 256, 1024)
+    # k = 2m replaces every active row: the one k at which rebuilding should win, so that a
+    # hybrid rule that never rebuilds is exposed as surely as one that rebuilds too soon.
+    ks: tuple[int, ...] = (16, 64, 256, 1024, 2048)
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     steps: int = 200
     warmup: int = 10  # untimed steps first: thread pools, page faults, caches
@@ -61,25 +76,16 @@ def mask_chain(n: int, m: int, k: int, steps: int, seed: int) -> list[torch.Tens
     return chain
 
 
-def memcpy_gbps(nbytes: int = 256 << 20, reps: int = 7) -> float:
-    """Single-thread memcpy bandwidth in GB/s (bytes copied per second), median of reps."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)  # numpy copies a contiguous array with one memcpy, one thread
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
-
-
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     """The same bytes as a numpy array (numpy has no bfloat16: use int16 then)."""
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig):
-    """Median microseconds per update, rows moved and bytes moved for each method."""
+def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig, cold: np.ndarray):
+    """Median microseconds per update, rows moved and bytes moved for each method.
+
+    cold: (COLD_BYTES,) uint8, written once, the memcpy methods' DRAM-resident source.
+    """
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(cfg.seed)
     n, h, c = cfg.n_rows, cfg.hidden, cfg.cols
@@ -97,13 +103,35 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig):
             ("hybrid", base),
         )
     }
+    # The baselines read pools of their own (a cache's pools: the same allocation, huge
+    # pages included): reading the paired cache's pools would warm the very rows that cache
+    # adds next and flatter it against the hybrid.
+    pools = PairedCache(up, down, gate, capacity=1, config=CacheConfig(num_threads=1))
     del gate, up, down
-    pools = caches["paired"]
     t_pools = (pools.gate_pool, pools.up_pool, pools.down_pool_T)
     t_out = tuple(torch.empty(cfg.m, p.shape[1], dtype=dtype) for p in t_pools)
     n_pools = tuple(_as_numpy(p) for p in t_pools)
     n_out = tuple(_as_numpy(o) for o in t_out)
     n_indices = [i.numpy() for i in indices]
+
+    elem = torch.finfo(dtype).bits // 8
+    row_bytes = (2 * c + h) * elem
+    copy_rows = k // 2  # what a paired update of this chain moves
+    copy_bytes = copy_rows * row_bytes
+    active = np.zeros(cfg.m * row_bytes, dtype=np.uint8)  # as large as the active buffers
+    chunk = c * elem  # one pool row of gate or up
+    n_chunks = -(-copy_bytes // chunk)
+    t_cold = torch.from_numpy(cold[: cold.size // chunk * chunk]).view(-1, chunk)
+    t_active = torch.from_numpy(active[: n_chunks * chunk]).view(n_chunks, chunk)
+    copy_rng = np.random.default_rng(cfg.seed + k)
+    steps = cfg.warmup + cfg.steps + 1
+    # A fresh random source every step, drawn before timing: a copy never finds its bytes in
+    # the cache because an earlier step read them.
+    offsets = copy_rng.integers(0, (cold.size - copy_bytes) // 64, size=steps) * 64
+    gathers = [
+        torch.from_numpy(copy_rng.choice(t_cold.shape[0], n_chunks, replace=False))
+        for _ in range(steps)
+    ]
 
     def torch_rebuild(i):
         for pool, out in zip(t_pools, t_out, strict=True):
@@ -113,29 +141,40 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig):
         for pool, out in zip(n_pools, n_out, strict=True):
             np.take(pool, n_indices[i], axis=0, out=out)
 
+    def memcpy(i):
+        off = offsets[i]
+        np.copyto(active[:copy_bytes], cold[off : off + copy_bytes])  # one memcpy, 1 thread
+
+    def memcpy_gather(i):
+        torch.index_select(t_cold, 0, gathers[i], out=t_active)
+
     run = {name: cache.update for name, cache in caches.items()}
+    baselines = {
+        "torch_index_select": (torch_rebuild, cfg.m),
+        "numpy_take": (numpy_rebuild, cfg.m),
+        "memcpy": (memcpy, copy_rows),
+        "memcpy_gather": (memcpy_gather, copy_rows),
+    }
     order_rng = np.random.default_rng(cfg.seed)
     times: dict[str, list[float]] = {name: [] for name in METHODS}
     rows: dict[str, list[int]] = {name: [] for name in METHODS}
-    for step in range(1, cfg.warmup + cfg.steps + 1):
+    for step in range(1, steps):
         # A fresh order each step: no method always runs first or after the same one (the
         # one before leaves dirty cache lines and, with threads, spinning workers behind).
         for name in order_rng.permutation(METHODS):
             t0 = time.perf_counter_ns()
             if name in run:
-                info = run[name](chain[step])
-            elif name == "torch_index_select":
-                torch_rebuild(step)
+                moved = run[name](chain[step]).rows_copied
             else:
-                numpy_rebuild(step)
+                fn, moved = baselines[name]
+                fn(step)
             elapsed_us = (time.perf_counter_ns() - t0) / 1e3
             if step > cfg.warmup:
                 times[name].append(elapsed_us)
-                rows[name].append(info.rows_copied if name in run else cfg.m)
+                rows[name].append(moved)
     for cache in caches.values():
         cache.check_valid()
-    row_bytes = (2 * c + h) * torch.finfo(dtype).bits // 8
-    return {
+    cell = {
         name: {
             "us": statistics.median(times[name]),
             "rows": statistics.median(rows[name]),
@@ -143,26 +182,28 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig):
         }
         for name in METHODS
     }
+    # The physical limit of this cell: single-thread memcpy bandwidth for these bytes.
+    cell["memcpy_gbps"] = copy_bytes / (cell["memcpy"]["us"] * 1e3)
+    return cell
 
 
 def run(cfg: BenchConfig, threads: int, progress=None) -> dict:
-    """All (dtype, k) cells plus the memcpy bound; returns columns, rows and summary data.
+    """All (dtype, k) cells with their memcpy bounds; returns columns, rows and summary data.
 
     threads: the cache's copy threads and torch's intra-op threads alike, so that both
-    sides of every comparison get the same cores.
+    sides of every comparison get the same cores (memcpy is one thread always).
     """
     config = CacheConfig(num_threads=threads)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gbps_before = memcpy_gbps()
+        cold = np.ones(COLD_BYTES, dtype=np.uint8)
         cells = {}
         for dtype_name in cfg.dtypes:
             for k in cfg.ks:
-                cells[(dtype_name, k)] = run_one(cfg, dtype_name, k, config)
+                cells[(dtype_name, k)] = run_one(cfg, dtype_name, k, config, cold)
                 if progress is not None:
                     progress(f"threads={threads} {dtype_name} k={k} done")
-        gbps = statistics.median([gbps_before, memcpy_gbps()])
     finally:
         torch.set_num_threads(torch_threads)
     columns = [
@@ -177,12 +218,16 @@ def run(cfg: BenchConfig, threads: int, progress=None) -> dict:
         "memcpy bound µs",
         "x bound",
     ]
+    # memcpy bound: the row's bytes at the cell's single-thread cold memcpy bandwidth.
     table = []
     for (dtype_name, k), cell in cells.items():
         base_us = cell["torch_index_select"]["us"]
         for name in METHODS:
             r = cell[name]
-            bound_us = r["bytes"] / (gbps * 1e3)
+            # Shown where the row moved the memcpy's bytes: a copy's bandwidth depends on its
+            # size, so the cell's memcpy says nothing precise about other sizes.
+            same = r["bytes"] == cell["memcpy"]["bytes"]
+            bound_us = r["bytes"] / (cell["memcpy_gbps"] * 1e3) if same else None
             table.append(
                 [
                     dtype_name,
@@ -193,11 +238,11 @@ def run(cfg: BenchConfig, threads: int, progress=None) -> dict:
                     int(r["rows"]),
                     round(r["bytes"] / 1e6, 3),
                     round(r["bytes"] / (r["us"] * 1e3), 2) if r["us"] else None,
-                    round(bound_us, 1),
+                    round(bound_us, 1) if bound_us else None,
                     round(r["us"] / bound_us, 2) if bound_us else None,
                 ]
             )
-    return {"columns": columns, "rows": table, "cells": cells, "memcpy_gbps": gbps}
+    return {"columns": columns, "rows": table, "cells": cells}
 
 
 def markdown(columns: list[str], rows: list[list]) -> str:

@@ -81,7 +81,11 @@ class SparseMLP(nn.Module):
         m, hidden = self.cache.num_active, self.cache.gate_cols
         gate_up = self.cache.gate_up().view(2 * m, hidden)  # rows g_0, u_0, g_1, u_1, ...
         h2 = F.linear(x, gate_up).view(x.shape[0], m, 2)  # (T, m, 2)
-        h = self.act_fn(h2[..., 0]) * h2[..., 1]  # (T, m)
+        # The activation gets a contiguous copy of the gate column: on a strided input torch
+        # takes its scalar loop, whose exp rounds differently from the vectorised one that
+        # the dense MLP's contiguous gate output gets, and that last-bit difference grows
+        # through the layers (1.6e-4 in SmolLM2's float32 logits).
+        h = self.act_fn(h2[..., 0].contiguous()) * h2[..., 1]  # (T, m)
         return F.linear(h, self.cache.down())  # down(): (hidden, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ static pc_config base_config(int64_t n, int64_t gate, int64_t up, int64_t hidden
     return c;
 }
 
-/* Builds a random mask with `target` rows set, reusing `old` for most rows when small. */
+/* Builds a random mask from `old` (unchanged, empty, capacity rows, or a few or many rows
+ * flipped). Every other mask marks its active rows with arbitrary nonzero bytes, as a caller's
+ * uint8 mask may: the core must read any nonzero byte as active. Returns the active count. */
 static int64_t random_mask(uint8_t *mask, const uint8_t *old, int64_t n, int64_t cap) {
     int kind = (int)(next_u64() % 6);
     if (kind == 0) { /* unchanged */
@@ -69,9 +71,13 @@ static int64_t random_mask(uint8_t *mask, const uint8_t *old, int64_t n, int64_t
             mask[id] = !mask[id];
         }
     }
+    int any_nonzero = (int)(next_u64() % 2);
     int64_t count = 0;
     for (int64_t id = 0; id < n; id++) {
-        count += mask[id];
+        if (mask[id] && any_nonzero) {
+            mask[id] = (uint8_t)(1 + next_u64() % 255);
+        }
+        count += mask[id] != 0;
     }
     return count;
 }
@@ -109,7 +115,9 @@ static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int6
             CHECK(after.updates == before.updates, "stats changed on error");
         } else {
             CHECK(rc == PC_OK, "update rc=%d", rc);
-            memcpy(model, mask, (size_t)n);
+            for (int64_t id = 0; id < n; id++) {
+                model[id] = mask[id] != 0;
+            }
             CHECK(pc_num_active(cache) == count, "m=%lld != %lld",
                   (long long)pc_num_active(cache), (long long)count);
             pc_stats after;
