@@ -9,6 +9,7 @@ selector is paid against (the work the forward does anyway).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -75,6 +76,7 @@ def main(argv=None) -> None:
         F.scaled_dot_product_attention(q, kv, kv)
 
     repeats = 5 if args.quick else 21
+    load_start = os.getloadavg()[0]
     rows, ratios = [], {}
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -102,7 +104,8 @@ def main(argv=None) -> None:
         targets,
         f"{repeats} interleaved repeats at 1 and 2 torch threads; one layer (3 KV heads x 64 dims, 3 query "
         "heads per KV head); random tensors (the cost does not depend on the values). "
-        "CPU shared with other jobs.",
+        f"1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+        "end (2 cores).",
     )
 
 

@@ -2,8 +2,8 @@
 
 Each length runs in its own process (peak RSS is per process): SmolLM2-135M reads a
 pass-key prompt of N tokens with the key at 5% depth through a B=1024 cache with
-``positions="rerotate"`` and query-aware exact selection, then answers. SmolLM2 was
-trained to 8192 positions, so a full cache over 32k tokens puts queries and keys further
+``positions="rerotate"`` and query-aware selection (``--selector``, exact by default),
+then answers. SmolLM2 was trained to 8192 positions, so a full cache over 32k tokens puts queries and keys further
 apart than it ever saw; the bounded cache never holds more than B + block tokens and
 re-rotation keeps every query-key distance below that. Target: peak RSS at 32k within
 10% of the peak at 4k.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 from common import write_result
 
 
-def child(n_tokens: int, budget: int) -> None:
+def child(n_tokens: int, budget: int, positions: str, selector: str) -> None:
     import torch
 
     from bmrt_kv import BMRTConfig
@@ -34,9 +35,9 @@ def child(n_tokens: int, budget: int) -> None:
     config = BMRTConfig(
         budget=budget,
         block_size=512,
-        selector="exact",
+        selector=selector,
         scoring="query_aware",
-        positions="rerotate",
+        positions=positions,
     )
     start = time.perf_counter()
     result = run_sample(model, tokenizer, sample, config)
@@ -49,27 +50,52 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 32000])
     parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument(
+        "--absolute-at",
+        type=int,
+        nargs="*",
+        default=[32000],
+        help="lengths also run with positions='absolute', to show what rerotate buys",
+    )
+    parser.add_argument("--selector", default="exact")
+    parser.add_argument("--name", default="stream_rss", help="results/<name>.json")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--positions", default="rerotate", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child, args.budget)
+        child(args.child, args.budget, args.positions, args.selector)
         return
     if args.quick:
-        args.lengths = [4000, 8000]
+        args.lengths, args.absolute_at = [4000, 8000], []
+    load_start = os.getloadavg()[0]
     rows, peaks = [], {}
-    for n in args.lengths:
+    runs = [(n, "rerotate") for n in args.lengths] + [(n, "absolute") for n in args.absolute_at]
+    for n, positions in runs:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(n), "--budget", str(args.budget)],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(n),
+                "--budget",
+                str(args.budget),
+                "--positions",
+                positions,
+                "--selector",
+                args.selector,
+            ],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
         result = json.loads(out.split("RESULT ", 1)[1])
-        peaks[n] = result["peak_rss_bytes"]
+        if positions == "rerotate":
+            peaks[n] = result["peak_rss_bytes"]
         rows.append(
             [
                 n,
+                positions,
                 result["output"],
                 result["correct"],
                 round(result["prefill_tokens_per_s"], 1),
@@ -87,13 +113,23 @@ def main(argv=None) -> None:
         "met": long >= 32000 and short <= 4000 and growth <= 0.10,
     }
     write_result(
-        "stream_rss",
-        f"Long stream, needle at 5%, B={args.budget}, rerotate, query-aware exact",
-        ["tokens", "answer", "correct", "prefill tok/s", "peak KV MiB", "peak RSS MiB"],
+        args.name,
+        f"Long stream, needle at 5%, B={args.budget}, query-aware {args.selector}",
+        [
+            "tokens",
+            "positions",
+            "answer",
+            "correct",
+            "prefill tok/s",
+            "peak KV MiB",
+            "peak RSS MiB",
+        ],
         rows,
         [target],
-        f"Lengths run: {args.lengths} (one process each). Key 73914. The full cache is not run "
-        "past 8192 tokens (SmolLM2's trained range). CPU shared with other jobs.",
+        f"Lengths run: {args.lengths} with rerotate, {args.absolute_at} with absolute positions "
+        "(one process each). Key 73914. The full cache is not run past 8192 tokens "
+        "(SmolLM2's trained range; a 32k full cache would hold 1.4 GiB of KV). 1-minute load "
+        f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores).",
     )
 
 

@@ -126,6 +126,21 @@ def test_h2o_ranks_by_accumulated_attention():
     assert make_selector("h2o").select(pool, 2)[0, 0].tolist() == [9, 4]
 
 
+def test_keydiff_keeps_the_keys_that_differ_from_the_rest():
+    # Filler: every key a small perturbation of one direction; two outliers point elsewhere.
+    pool = random_pool(6, p=20, n_protected=4)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(8, generator=gen)
+    pool.keys = base + 0.01 * torch.randn(1, 2, 20, 8, generator=gen)
+    pool.keys[..., 7, :] = -base
+    pool.keys[..., 12, :] = torch.randn(8, generator=gen)
+    # A protected token that differs must not count: it is not a candidate.
+    pool.keys[..., 0, :] = -3 * base
+    picked = make_selector("keydiff").select(pool, 2)
+    assert sorted(picked[0, 0].tolist()) == [7, 12]
+    assert sorted(picked[0, 1].tolist()) == [7, 12]
+
+
 def test_magicpig_falls_back_to_recent_tokens_when_nothing_collides():
     # With one 16-bit table no candidate can collide in >= 2 tables: all invalid.
     pool = random_pool(5, p=20, n_protected=0)

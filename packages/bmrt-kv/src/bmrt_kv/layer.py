@@ -30,6 +30,10 @@ class BMRTLayer(CacheLayerMixin):
 
     def __init__(self, config: BMRTConfig, selector: Selector, inv_freq: torch.Tensor | None):
         super().__init__()
+        # Set here, not left to the base class: transformers 4.56's mixin sets neither.
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
         self.config = config
         self.selector = selector
         self.inv_freq = inv_freq
@@ -166,6 +170,10 @@ class BMRTLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         """-1: the stream has no maximum length (only the cache is bounded)."""
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        """The same as :meth:`get_max_length`, under its transformers < 5.3 name."""
         return -1
 
     def reset(self) -> None:

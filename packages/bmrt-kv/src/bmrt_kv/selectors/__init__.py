@@ -6,6 +6,7 @@ from bmrt_kv.selectors.base import Pool, Selector
 from bmrt_kv.selectors.exact import ExactSelector
 from bmrt_kv.selectors.h2o import H2OSelector
 from bmrt_kv.selectors.hybrid import HybridSelector
+from bmrt_kv.selectors.keydiff import KeyDiffSelector
 from bmrt_kv.selectors.lsh import LSHSelector
 from bmrt_kv.selectors.magicpig import MagicPIGSelector
 from bmrt_kv.selectors.snapkv import SnapKVSelector
@@ -20,6 +21,7 @@ SELECTORS: dict[str, type[Selector]] = {
     "streaming": StreamingSelector,
     "h2o": H2OSelector,
     "snapkv": SnapKVSelector,
+    "keydiff": KeyDiffSelector,
 }
 
 
