@@ -20,8 +20,8 @@ START, END = "<!-- measured:start -->", "<!-- measured:end -->"
 
 
 def _cell(value) -> str:
-    # Benchmarks round their own numbers: render them as written.
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    # Benchmarks round their own numbers: render them as written (None: an empty cell).
+    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def render_result(result: dict, heading: str = "###") -> str:
@@ -93,6 +93,15 @@ def main() -> int:
                 failed.append(package)
 
     sections = []
+    demo = ROOT / "tests-integration" / "results" / "demo.json"
+    if not args.render_only and not args.only:
+        print("\n===== demo: hatch run demo =====", flush=True)
+        demo.parent.mkdir(exist_ok=True)
+        if subprocess.call([hatch(), "run", "default:demo", "--results", str(demo)], cwd=ROOT):
+            failed.append("demo")
+    if demo.is_file():
+        with open(demo) as f:
+            sections.append(render_result(json.load(f)))
     for package in PACKAGES:
         results = load_results(package)
         if not results:

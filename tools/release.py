@@ -1,30 +1,77 @@
-"""Build one package and check it as a user gets it, then print its release tag.
+"""Build one package (or all) and check it as a user gets it, then print its release tag.
 
     python tools/release.py zstd-linear [--tests] [--dist DIR]
+    python tools/release.py --all --tests [--junit-dir DIR]     # what CI runs
 
 Checks that the version in __about__.py was bumped past the package's last tag
 (`<package>-v<version>`) and that CHANGELOG.md has an entry for it; builds the sdist and
 the wheel with `hatch build`; installs the wheel into a fresh venv; imports it there and
-checks the version; with --tests, also runs the package's tests against that installed
-wheel (not the editable tree). Prints the tag to create; creates nothing in git.
+checks the version; with --tests, also installs the package's extras and the dev helper as
+its hatch environment does (read from hatch.toml) and runs the package's tests against
+that installed wheel, from outside the source tree, checking that the package the tests
+imported is the venv's copy. Prints the tag to create; creates nothing in git.
+
+With --all every package is checked even when an earlier one fails (one fresh venv each);
+--no-tag-check allows a version that is already tagged (CI tests released versions too).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from pathlib import Path
 
+import tomllib
 from _common import PACKAGES, ROOT, hatch
 
 # Packages whose wheel carries compiled code and so must be platform-tagged.
 PLATFORM_WHEELS = {"paired-cache"}
 # The dev machines' CPU torch; a user's pip resolves the open range in the metadata.
 DEV_CONSTRAINTS = "torch==2.13.0\n"
+
+# A pytest plugin loaded into each wheel's test run: after collection (when the tests have
+# imported the package) and at the end, the package must come from the venv, never from
+# the source tree; otherwise the run fails.
+CHECK_PLUGIN = """
+import sys, sysconfig
+from pathlib import Path
+
+import pytest
+
+MODULE = {module!r}
+PURELIB = Path(sysconfig.get_paths()["purelib"]).resolve()
+PLATLIB = Path(sysconfig.get_paths()["platlib"]).resolve()
+
+
+def _where():
+    mod = sys.modules.get(MODULE)
+    if mod is None:
+        return "never imported"
+    path = Path(mod.__file__).resolve()
+    if PURELIB in path.parents or PLATLIB in path.parents:
+        return None
+    return str(path)
+
+
+def pytest_collection_finish(session):
+    bad = _where()
+    if bad is not None:
+        raise pytest.UsageError(f"{{MODULE}} must be imported from the venv, got {{bad}}")
+    print(f"release check: {{MODULE}} imported from {{sys.modules[MODULE].__file__}}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    bad = _where()
+    if bad is not None:
+        print(f"release check: {{MODULE}} came from {{bad}}, not the venv")
+        session.exitstatus = 1
+"""
 
 
 class ReleaseError(Exception):
@@ -39,10 +86,12 @@ def read_version(package: str) -> str:
     return match.group(1)
 
 
-def check_bumped(package: str, version: str) -> None:
+def check_bumped(package: str, version: str, check_tag: bool = True) -> None:
     changelog = (ROOT / "packages" / package / "CHANGELOG.md").read_text()
     if not re.search(rf"^##\s+\[?{re.escape(version)}\]?(\s|$)", changelog, re.M):
         raise ReleaseError(f"{package}: CHANGELOG.md has no '## {version}' entry")
+    if not check_tag:
+        return
     tags = subprocess.run(
         ["git", "tag", "--list", f"{package}-v*"], cwd=ROOT, capture_output=True, text=True
     ).stdout.split()
@@ -55,6 +104,8 @@ def build(package: str, dist: Path) -> tuple[Path, Path]:
         [hatch(), "build", "-t", "sdist", "-t", "wheel", str(dist)],
         cwd=ROOT / "packages" / package,
         check=True,
+        # The package's own project has none of the root's environments.
+        env=_clean_env(),
     )
     wheels = sorted(dist.glob(f"{PACKAGES[package]}-*.whl"))
     sdists = sorted(dist.glob(f"{PACKAGES[package]}-*.tar.gz"))
@@ -66,16 +117,39 @@ def build(package: str, dist: Path) -> tuple[Path, Path]:
     return wheel, sdists[0]
 
 
-def install_and_check(package: str, version: str, wheel: Path, run_tests: bool) -> None:
+def env_members(package: str) -> tuple[list[str], list[str]]:
+    """(extras of the package, pip specs of the other members) of the package's hatch
+    environment, so the wheel is tested with what its own environment holds."""
+    env = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"][package]
+    extras, others = [], []
+    for member in env["workspace"]["members"]:
+        if isinstance(member, str):
+            member = {"path": member}
+        path, features = member["path"], member.get("features", [])
+        if path == f"packages/{package}":
+            extras = list(features)
+        else:
+            spec = str(ROOT / path) + (f"[{','.join(features)}]" if features else "")
+            others.append(spec)
+    return extras, others
+
+
+def install_and_check(
+    package: str, version: str, wheel: Path, run_tests: bool, junit: Path | None = None
+) -> None:
     with tempfile.TemporaryDirectory(prefix=f"release-{package}-") as tmp:
         env_dir = Path(tmp) / "venv"
         venv.create(env_dir, with_pip=True)
         py = str(env_dir / "bin" / "python")
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text(DEV_CONSTRAINTS)
-        pip = [py, "-m", "pip", "install", "-q", "-c", str(constraints)]
-        spec = f"{wheel}[test]" if run_tests else str(wheel)
-        subprocess.run([*pip, spec], check=True)
+        # --no-compile: byte-compiling torch's thousands of modules costs a minute per venv
+        # and changes nothing the tests see (Python compiles what it imports).
+        pip = [py, "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints)]
+        extras, others = env_members(package) if run_tests else ([], [])
+        spec = f"{wheel}[{','.join(extras)}]" if extras else str(wheel)
+        # One resolution for the wheel and the dev helper, as the hatch environment does.
+        _quiet([*pip, spec, *others])
         mod = PACKAGES[package]
         smoke = (
             f"import {mod}, sys; v = {mod}.__version__; "
@@ -85,46 +159,87 @@ def install_and_check(package: str, version: str, wheel: Path, run_tests: bool) 
         )
         subprocess.run([py, "-c", smoke], check=True, cwd=tmp)
         if run_tests:
-            helper = ROOT / "tools" / "membound-testing"
-            subprocess.run([*pip, f"{helper}[models]"], check=True)
+            plugin_dir = Path(tmp) / "plugin"
+            plugin_dir.mkdir()
+            (plugin_dir / "release_check.py").write_text(CHECK_PLUGIN.format(module=mod))
             tests = ROOT / "packages" / package / "tests"
-            # Run from the temp dir with importlib mode so src/ is never on sys.path.
+            # From the temp dir: src/ is never on sys.path (the src layout keeps the
+            # import package out of the directories pytest prepends for the tests), and
+            # release_check fails the run if the package came from anywhere but the venv.
+            cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "release_check"]
+            if junit is not None:
+                cmd.append(f"--junitxml={junit}")
             subprocess.run(
-                [
-                    py,
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                    "--import-mode=importlib",
-                    str(tests),
-                ],
+                [*cmd, str(tests)],
                 check=True,
                 cwd=tmp,
+                env={**_clean_env(), "PYTHONPATH": str(plugin_dir)},
             )
+
+
+def _quiet(cmd: list[str]) -> None:
+    """Run cmd; show its output only if it fails (pip warns once per index entry)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:], proc.stderr[-5000:], sep="\n", file=sys.stderr)
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without the hatch environment it may run in."""
+    env = dict(os.environ)
+    active = env.pop("VIRTUAL_ENV", None)
+    for name in ("PYTHONPATH", "HATCH_ENV_ACTIVE"):
+        env.pop(name, None)
+    if active:
+        env["PATH"] = os.pathsep.join(
+            p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(active)
+        )
+    return env
+
+
+def release(package: str, args: argparse.Namespace) -> bool:
+    """Check one package; True when every check passed."""
+    start = time.perf_counter()
+    try:
+        version = read_version(package)
+        check_bumped(package, version, check_tag=not args.no_tag_check)
+        with tempfile.TemporaryDirectory() as tmp:
+            dist = args.dist or Path(tmp)
+            dist.mkdir(parents=True, exist_ok=True)
+            wheel, sdist = build(package, dist)
+            print(f"built {sdist.name} and {wheel.name}", flush=True)
+            junit = args.junit_dir / f"{package}.xml" if args.junit_dir else None
+            install_and_check(package, version, wheel, args.tests, junit)
+    except (ReleaseError, subprocess.CalledProcessError) as exc:
+        print(f"release check failed: {package}: {exc}", file=sys.stderr, flush=True)
+        return False
+    print(f"{package}-v{version} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return True
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("package", choices=list(PACKAGES))
+    parser.add_argument("package", nargs="?", choices=list(PACKAGES))
+    parser.add_argument("--all", action="store_true", help="every package, one venv each")
     parser.add_argument("--tests", action="store_true", help="run the tests against the wheel")
     parser.add_argument("--dist", type=Path, help="where to put the built files (default: temp)")
+    parser.add_argument("--junit-dir", type=Path, help="write <package>.xml test reports here")
+    parser.add_argument(
+        "--no-tag-check",
+        action="store_true",
+        help="allow an already tagged version (CI tests the wheels of released versions too)",
+    )
     args = parser.parse_args()
-
-    try:
-        version = read_version(args.package)
-        check_bumped(args.package, version)
-        with tempfile.TemporaryDirectory() as tmp:
-            dist = args.dist or Path(tmp)
-            dist.mkdir(parents=True, exist_ok=True)
-            wheel, sdist = build(args.package, dist)
-            print(f"built {sdist.name} and {wheel.name}")
-            install_and_check(args.package, version, wheel, args.tests)
-    except (ReleaseError, subprocess.CalledProcessError) as exc:
-        print(f"release check failed: {exc}", file=sys.stderr)
+    if args.all == (args.package is not None):
+        parser.error("name one package or pass --all")
+    if args.junit_dir:
+        args.junit_dir.mkdir(parents=True, exist_ok=True)
+    packages = list(PACKAGES) if args.all else [args.package]
+    failed = [p for p in packages if not release(p, args)]
+    if failed:
+        print(f"release check failed for: {', '.join(failed)}", file=sys.stderr)
         return 1
-    print(f"{args.package}-v{version}")
     return 0
 
 

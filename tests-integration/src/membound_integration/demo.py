@@ -2,22 +2,32 @@
 
 Run as ``hatch run demo``. Every row runs in a fresh Python process, so the peak RSS
 printed for a row is that row's own (``ru_maxrss`` only ever grows within a process).
+A row's own progress bars (long prefills, the one-time .zlin build) are relayed into the
+demo's bar; the rest of a row's stderr is shown only if the row fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 from membound_integration.rows import ORDER
 
 _MARK = "MEMBOUND-ROW "
+# A progress line of a row: tqdm ("blocks:  50%|#####     | 6/12 [...]") or zstd-linear's
+# own bar ("compress [#####.....] 12/210 name 4.1s").
+_BAR = re.compile(
+    r"^(?P<desc>\w[\w .-]*?):?\s*(?:\d+%\|[^|]*\||\[[#.]+\])\s*(?P<n>\d+)/(?P<total>\d+)"
+)
 
 
 def _row_functions() -> list[tuple[str, str]]:
@@ -44,12 +54,44 @@ def _run_one(module: str, row_id: str) -> None:
 
 
 def _mib(n: int | None) -> str:
-    return "" if n is None else f"{n / 2**20:,.1f} MiB"
+    if n is None:
+        return ""
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def _run_row(module: str, row_id: str, env: dict, bar) -> tuple[int, str, str]:
+    """Run one row in a fresh process; returns (exit code, stdout, stderr tail).
+
+    The row's progress lines become the bar's postfix as they arrive.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "membound_integration.demo", "--row", f"{module}:{row_id}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    out: list[bytes] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()))
+    reader.start()
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    pending = b""
+    for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+        *lines, pending = re.split(rb"[\r\n]", pending + chunk)
+        for raw in lines:
+            line = raw.decode(errors="replace").strip()
+            match = _BAR.match(line)
+            if match:
+                bar.set_postfix_str(f"{row_id}: {match['desc']} {match['n']}/{match['total']}")
+            elif line:
+                tail.append(line)
+    proc.wait()
+    reader.join()
+    return proc.returncode, b"".join(out).decode(errors="replace"), "\n".join(tail)
 
 
 def _render(rows: list[dict]) -> str:
-    head = "| row | peak RSS | bounded component: resident / unbounded | tokens/s | output |"
-    lines = [head, "|---|---:|---|---:|---|"]
+    head = "| row | peak RSS | bounded component: resident / unbounded | tokens/s | s | output |"
+    lines = [head, "|---|---:|---|---:|---:|---|"]
     for r in rows:
         bounded = ""
         if r.get("resident_bytes") is not None:
@@ -59,9 +101,64 @@ def _render(rows: list[dict]) -> str:
         out = r["output"].replace("|", "\\|").replace("\n", " ")
         lines.append(
             f"| {r['name']} | {_mib(r['peak_rss_bytes'])} | {bounded} "
-            f"| {r['tokens_per_s']:.1f} | {out} |"
+            f"| {r['tokens_per_s']:.1f} | {r.get('seconds', 0):.0f} | {out} |"
         )
     return "\n".join(lines)
+
+
+def _write_results(path: str, rows, failed, total: float, load, subset: bool) -> None:
+    """The demo's table as a benchmark result (temp file + rename)."""
+    from membound_testing import machine_info
+
+    def mib(n):
+        return None if n is None else round(n / 2**20, 2)
+
+    table = [
+        [
+            r["name"],
+            mib(r["peak_rss_bytes"]),
+            r.get("component") or "",
+            mib(r.get("resident_bytes")),
+            mib(r.get("unbounded_bytes")),
+            round(r["tokens_per_s"], 1),
+            r.get("seconds"),
+            r["output"].replace("\n", " "),
+        ]
+        for r in rows
+    ]
+    data = {
+        "package": "membound",
+        "benchmark": "demo",
+        "title": "The demo: SmolLM2-135M plain and under each package, one process per row",
+        "command": "hatch run demo",
+        "machine": machine_info(),
+        "columns": [
+            "row",
+            "peak RSS MiB",
+            "bounded component",
+            "resident MiB",
+            "unbounded MiB",
+            "tokens/s",
+            "s",
+            "output",
+        ],
+        "rows": table,
+        "targets": [
+            {
+                "target": "the whole demo <= 5 minutes here",
+                "measured": f"{total:.0f} s for {len(rows)} rows"
+                + (f" ({len(failed)} failed: {', '.join(failed)})" if failed else "")
+                + (" (a subset: --only)" if subset else ""),
+                "met": total <= 300 and not failed and not subset,
+            }
+        ],
+        "notes": f"1-minute load average {load:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the end (2 cores).",
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", help="run one row in this process (used by the demo itself)")
     parser.add_argument("--only", nargs="*", help="row ids to run (default: all)")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument(
+        "--results",
+        help="also write the table in the benchmarks' result format (tools/bench.py renders "
+        "it into the README's Measured section) to this file",
+    )
     args = parser.parse_args(argv)
 
     if args.row:
@@ -80,26 +182,28 @@ def main(argv: list[str] | None = None) -> int:
 
     todo = [(m, r) for m, r in _row_functions() if not args.only or r in args.only]
     rows, failed = [], []
+    load_start = os.getloadavg()[0]
     start = time.perf_counter()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tqdm(todo, desc="demo rows", unit="row") as bar:
         for module, row_id in bar:
             bar.set_postfix_str(row_id)
-            proc = subprocess.run(
-                [sys.executable, "-m", "membound_integration.demo", "--row", f"{module}:{row_id}"],
-                capture_output=True,
-                text=True,
-                env=env,
-            )
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
-            if proc.returncode != 0 or not lines:
+            row_start = time.perf_counter()
+            code, stdout, stderr = _run_row(module, row_id, env, bar)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith(_MARK)]
+            if code != 0 or not lines:
                 failed.append(row_id)
-                tqdm.write(f"row {row_id} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+                tqdm.write(f"row {row_id} failed (exit {code}):\n{stderr[-3000:]}")
                 continue
-            rows.append(json.loads(lines[-1][len(_MARK) :]))
+            row = json.loads(lines[-1][len(_MARK) :])
+            row["seconds"] = round(time.perf_counter() - row_start, 1)
+            rows.append(row)
     print()
     print(_render(rows))
-    print(f"\n{len(rows)} rows in {time.perf_counter() - start:.0f} s")
+    total = time.perf_counter() - start
+    print(f"\n{len(rows)} rows in {total:.0f} s")
+    if args.results:
+        _write_results(args.results, rows, failed, total, load_start, subset=bool(args.only))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

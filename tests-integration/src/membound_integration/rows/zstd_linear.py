@@ -1,14 +1,18 @@
-"""zstd-linear: SmolLM2-135M with every Linear zstd-compressed, decoded per pass with prefetch."""
+"""zstd-linear: SmolLM2-135M with every Linear zstd-compressed, decoded per pass with prefetch.
+
+The Linear layers are loaded from a cached .zlin file (built on first use), so the row's
+process never holds the plain Linear weights: its peak RSS is the compressed model's.
+"""
 
 from membound_integration.row import QUESTION, Row, greedy_generate
 
 
 def zstd_linear_model() -> Row:
-    from membound_testing import chat_prompt, load_smollm2
-    from zstd_linear import compress_model, compression_stats, reset_stats
+    from membound_integration.smollm2_zlin import load_compressed_smollm2
+    from membound_testing import chat_prompt
+    from zstd_linear import compression_stats, reset_stats
 
-    model, tokenizer = load_smollm2()
-    report = compress_model(model, policy="per_pass_prefetch")
+    model, tokenizer, report = load_compressed_smollm2("per_pass_prefetch")
     reset_stats(model)
     text, tps = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
     stats = compression_stats(model)
@@ -16,7 +20,7 @@ def zstd_linear_model() -> Row:
     # neither side: the component is the compressed Linear layers' weights.
     return Row(
         name=(
-            f"zstd-linear per_pass_prefetch, {len(report.layers)} Linear "
+            f"zstd-linear per_pass_prefetch, {len(report.layers)} Linear from .zlin "
             f"(ratio {report.ratio:.2f}, {stats.decompressions_per_pass:.0f} decodes/pass)"
         ),
         output=text,

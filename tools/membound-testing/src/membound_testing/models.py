@@ -113,11 +113,13 @@ def load_smollm2(dtype: str = "float32"):
     """
     path = smollm2_float_dir()
     _offline()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    # Not AutoTokenizer: the saved config names transformers 5's TokenizersBackend, which
+    # transformers 4.x cannot resolve; the fast tokenizer class loads the same files in both.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
     return model, tokenizer
 
 

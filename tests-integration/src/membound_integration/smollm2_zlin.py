@@ -1,0 +1,62 @@
+"""The embedded SmolLM2-135M with its Linear layers read from a cached zstd-linear file.
+
+Compressing all 210 Linear layers takes tens of seconds and holds the plain weights and the
+compressed ones at once; loading the ``.zlin`` file does neither. The file is built once
+(``compress_model`` + ``save_compressed``, which writes atomically) and kept under
+``$MEMBOUND_CACHE`` (default ``~/.cache/membound``) next to the float copy it came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def compressed_smollm2_path(progress: bool = False) -> Path:
+    """Path of the .zlin file holding every untied Linear of SmolLM2-135M (float32)."""
+    import zstd_linear
+    from membound_testing import load_smollm2, smollm2_float_dir
+    from membound_testing.models import cache_dir
+
+    source = smollm2_float_dir()
+    # Keyed by the float copy and by zstd-linear's version and file format, so a new codec
+    # or model copy never reads a stale file.
+    path = cache_dir() / (
+        f"{source.name}-zstd-linear-{zstd_linear.__version__}-v{zstd_linear.FORMAT_VERSION}.zlin"
+    )
+    if not path.is_file():
+        model, _ = load_smollm2()
+        zstd_linear.compress_model(model, progress=progress)
+        zstd_linear.save_compressed(model, path)
+    return path
+
+
+def load_compressed_smollm2(policy: str = "per_pass_prefetch", **policy_options):
+    """(model, tokenizer, report): SmolLM2-135M whose Linear layers come from the .zlin file.
+
+    The float copy is memory-mapped by the loader, so the plain Linear weights it replaces
+    are never read into memory: the resident Linear bytes are the compressed ones.
+    """
+    import zstd_linear
+    from membound_testing import load_smollm2
+
+    path = compressed_smollm2_path()
+    model, tokenizer = load_smollm2()
+    report = zstd_linear.load_compressed(path, model, policy, **policy_options)
+    return model, tokenizer, report
+
+
+def attention_zlin_path() -> Path:
+    """A .zlin file with only the attention projections (q, k, v, o) of every layer.
+
+    For models whose MLPs another package replaces first (paired-cache's SparseMLP), so
+    that load_compressed finds an nn.Linear for every layer in the file. Cut from the
+    full file with zstd-linear's own reader and writer (no re-encoding).
+    """
+    import zstd_linear
+
+    full = compressed_smollm2_path()
+    path = full.with_name(full.stem + "-attention.zlin")
+    if not path.is_file():
+        entries = zstd_linear.read_file(full)
+        zstd_linear.write_file(path, [e for e in entries if ".self_attn." in e[0]])
+    return path
