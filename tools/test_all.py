@@ -6,6 +6,10 @@ one fails; the script exits non-zero if any step failed, collected no test (pyte
 exit 5), or errored. The `release:<package>` steps run `tools/release.py <package> --tests`
 (the wheel as users get it, not the editable tree); their counts are listed apart from the
 editable-tree counts and added to the total on the last line.
+
+Before an environment's first step its workspace members are reinstalled from the tree
+(`tools/sync_envs.py`): hatch does not notice a member's version bump or a changed C core
+in an environment that already exists, and a stale install would be what gets tested.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from _common import PACKAGES, ROOT, hatch
+from sync_envs import refresh
 
 
 def _counts(junit: Path | None) -> tuple[int, int, int]:
@@ -56,6 +61,10 @@ def main() -> int:
 
     hatch_run = [hatch(), "run"]
     steps = [(name, [*hatch_run, f"{name}:test"]) for name in PACKAGES]
+    # The hatch environment each non-release step runs in (refreshed before its first use).
+    env_of = {name: name for name in PACKAGES}
+    env_of.update({"bmrt-kv-floor": "bmrt-kv-floor", "memcheck": "paired-cache"})
+    env_of["integration"] = "default"
     # bmrt-kv again on the oldest transformers its metadata allows (the Cache API moves).
     steps.append(("bmrt-kv-floor", [*hatch_run, "bmrt-kv-floor:test"]))
     steps.append(("memcheck", [*hatch_run, "paired-cache:memcheck"]))
@@ -71,8 +80,16 @@ def main() -> int:
         steps = [s for s in steps if s[0] in wanted]
 
     results = []
+    refreshed: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, command in steps:
+            env = env_of.get(name)
+            if env is not None and env not in refreshed:
+                refreshed[env] = refresh(env)
+            if env is not None and refreshed[env] != 0:
+                print(f"\n===== {name}: not run, reinstalling {env}'s members failed =====")
+                results.append((name, refreshed[env], 0, 0, 0, 0.0))
+                continue
             if name == "memcheck":
                 extra, junit = [], None
             elif name.startswith("release:"):
