@@ -65,10 +65,11 @@ BOUND_NOTES = (
     "paired update (k/2 rows) with one single-thread memcpy (numpy copyto) from a fresh "
     f"random offset of a {COLD_BYTES >> 20} MiB source (8x the 32 MiB L3, so from DRAM) into "
     "a buffer the size of the active rows; an update's bound is its bytes moved / that "
-    "cell's memcpy GB/s. 'memcpy_gather' moves the same bytes as pool-row-sized chunks from "
-    "random places of that source (torch.index_select, one memcpy per chunk): the cost of "
-    "the random placement alone, as context. The pools and the active rows sit on "
-    "transparent huge pages where the kernel grants them."
+    "cell's memcpy GB/s. 'memcpy_gather' moves the same bytes as neuron-row-sized chunks "
+    "(one pool row: gate | up | down_T) from random places of that source "
+    "(torch.index_select, one memcpy per chunk): the cost of the random placement alone, as "
+    "context. The pool and the active rows sit on transparent huge pages where the kernel "
+    "grants them."
 )
 
 
@@ -89,7 +90,9 @@ def main(quick: bool) -> None:
             targets_for(result, label),
             NOISE + f" {cfg.steps} updates per cell, interleaved, medians. k = |added| + "
             "|removed| (k/2 of each; k = 2m replaces every row); baselines get precomputed "
-            f"indices; hybrid uses the default tau = {CacheConfig().hybrid_tau:g} (rebuild "
+            "indices and a neuron pool of their own in the cache's layout (one (N, gate + up + "
+            "hidden) row per neuron, one index_select / np.take per rebuild); hybrid uses the "
+            f"default tau = {CacheConfig().hybrid_tau:g} (rebuild "
             "when k > tau * m, m the mean of the active rows before and after). " + BOUND_NOTES,
             save=not quick,
         )

@@ -6,15 +6,18 @@
  * free of preprocessor lines because cffi's cdef parser reads it verbatim.
  *
  * Layout (row-major, every buffer 64-byte aligned, owned by the cache):
- *   gate_pool[N, gate_cols]       optional (gate_cols == 0 means no gate)
- *   up_pool[N, up_cols]
- *   down_pool_T[N, hidden]        down[hidden, N] transposed for row access
+ *   neuron_pool[N, pool_row_bytes]  one row per neuron: its gate row (absent when
+ *                                 gate_cols == 0), up row and down_T row (down[hidden, N]
+ *                                 transposed) back to back, the row stride padded to a
+ *                                 multiple of 64 bytes (and of elem_size)
  *   active_gate_up[capacity, gate_cols + up_cols]   gate row then up row, interleaved
  *   active_down_T[capacity, hidden]
  *   active_indices[capacity]      row id at each packed position
  *   index_to_position[N]          position of each row id, -1 when absent
  *   current_mask[N]               1 for active row ids
- * Rows are copied byte-wise, so any element type of elem_size bytes works.
+ * Rows are copied byte-wise, so any element type of elem_size bytes works. A neuron's
+ * weights are one contiguous pool row, so adding it reads one run of bytes instead of
+ * three rows at unrelated places.
  */
 #ifndef PAIRED_CACHE_H
 #define PAIRED_CACHE_H
@@ -26,10 +29,10 @@
 typedef struct pc_cache pc_cache;
 
 typedef struct {
-    int64_t n_rows;        /* N: rows in each pool */
+    int64_t n_rows;        /* N: neurons, rows of the pool */
     int64_t gate_cols;     /* 0 when the MLP has no gate */
     int64_t up_cols;
-    int64_t hidden;        /* columns of down_pool_T */
+    int64_t hidden;        /* columns of down transposed (down_T) */
     int64_t elem_size;     /* bytes per element: 4 float32, 2 float16/bfloat16 */
     int64_t capacity;      /* most rows active at once */
     double hybrid_tau;     /* rebuild when |A| + |R| > hybrid_tau * (m_old + m_new) / 2 */
@@ -61,9 +64,8 @@ enum {
 int pc_create(const pc_config *config, pc_cache **out);
 void pc_destroy(pc_cache *cache);
 
-void *pc_gate_pool(pc_cache *cache);
-void *pc_up_pool(pc_cache *cache);
-void *pc_down_pool_T(pc_cache *cache);
+void *pc_neuron_pool(pc_cache *cache);
+int64_t pc_pool_row_bytes(const pc_cache *cache); /* stride of neuron_pool's rows */
 void *pc_active_gate_up(pc_cache *cache);
 void *pc_active_down_T(pc_cache *cache);
 int32_t *pc_active_indices(pc_cache *cache);

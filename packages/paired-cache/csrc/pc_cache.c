@@ -69,6 +69,20 @@ static int config_ok(const pc_config *c) {
            c->num_threads <= PC_MAX_THREADS;
 }
 
+/* Bytes from one neuron's pool row to the next: its gate, up and down_T rows rounded up to a
+ * multiple of the cache line and of the element size, so that every row starts on a line
+ * and the strided torch views of the pool count their stride in whole elements. */
+static size_t pool_row_stride(size_t row_bytes, size_t elem_size) {
+    size_t a = PC_ALIGN, b = elem_size;
+    while (b != 0) {
+        size_t t = a % b;
+        a = b;
+        b = t;
+    }
+    size_t unit = PC_ALIGN / a * elem_size; /* lcm(PC_ALIGN, elem_size) */
+    return (row_bytes + unit - 1) / unit * unit;
+}
+
 int pc_create(const pc_config *config, pc_cache **out) {
     *out = NULL;
     if (config == NULL || !config_ok(config)) {
@@ -76,9 +90,12 @@ int pc_create(const pc_config *config, pc_cache **out) {
     }
     int overflow = 0;
     const pc_config *c = config;
-    size_t gate_pool_bytes = mul3(c->n_rows, c->gate_cols, c->elem_size, &overflow);
-    size_t up_pool_bytes = mul3(c->n_rows, c->up_cols, c->elem_size, &overflow);
-    size_t down_pool_bytes = mul3(c->n_rows, c->hidden, c->elem_size, &overflow);
+    /* The column counts are at most INT32_MAX each and elem_size at most 16, so their sum
+     * and the row's bytes fit in int64_t; the stride can only wrap a 32-bit size_t. */
+    size_t row_bytes = mul3(c->gate_cols + c->up_cols + c->hidden, c->elem_size, 1, &overflow);
+    size_t row_stride = pool_row_stride(row_bytes, (size_t)c->elem_size);
+    overflow |= row_stride < row_bytes;
+    size_t pool_bytes = mul3(c->n_rows, (int64_t)row_stride, 1, &overflow);
     size_t gate_up_bytes = mul3(c->capacity, c->gate_cols + c->up_cols, c->elem_size, &overflow);
     size_t down_bytes = mul3(c->capacity, c->hidden, c->elem_size, &overflow);
     if (overflow) {
@@ -89,16 +106,13 @@ int pc_create(const pc_config *config, pc_cache **out) {
         return PC_ERR_NOMEM;
     }
     cache->cfg = *c;
-    cache->gate_row_bytes = (size_t)(c->gate_cols * c->elem_size);
-    cache->up_row_bytes = (size_t)(c->up_cols * c->elem_size);
-    cache->gate_up_row_bytes = cache->gate_row_bytes + cache->up_row_bytes;
+    cache->gate_up_row_bytes = (size_t)((c->gate_cols + c->up_cols) * c->elem_size);
     cache->down_row_bytes = (size_t)(c->hidden * c->elem_size);
+    cache->pool_row_bytes = row_stride;
     size_t n = (size_t)c->n_rows;
     size_t cap = (size_t)c->capacity;
 
-    cache->gate_pool = c->gate_cols > 0 ? pc_aligned_alloc(gate_pool_bytes) : NULL;
-    cache->up_pool = pc_aligned_alloc(up_pool_bytes);
-    cache->down_pool_T = pc_aligned_alloc(down_pool_bytes);
+    cache->neuron_pool = pc_aligned_alloc(pool_bytes);
     cache->active_gate_up = pc_aligned_alloc(gate_up_bytes);
     cache->active_down_T = pc_aligned_alloc(down_bytes);
     cache->active_indices = pc_aligned_alloc(cap * sizeof(int32_t));
@@ -109,8 +123,7 @@ int pc_create(const pc_config *config, pc_cache **out) {
     cache->removed_pos = pc_aligned_alloc(cap * sizeof(int32_t));
     cache->position_flags = pc_aligned_alloc(cap);
     cache->copies = pc_aligned_alloc(cap * sizeof(pc_copy));
-    if ((c->gate_cols > 0 && cache->gate_pool == NULL) || cache->up_pool == NULL ||
-        cache->down_pool_T == NULL || cache->active_gate_up == NULL ||
+    if (cache->neuron_pool == NULL || cache->active_gate_up == NULL ||
         cache->active_down_T == NULL || cache->active_indices == NULL ||
         cache->index_to_position == NULL || cache->current_mask == NULL ||
         cache->added == NULL || cache->removed == NULL || cache->removed_pos == NULL ||
@@ -131,9 +144,7 @@ void pc_destroy(pc_cache *cache) {
         return;
     }
     pc_pool_destroy(cache->pool);
-    pc_aligned_free(cache->gate_pool);
-    pc_aligned_free(cache->up_pool);
-    pc_aligned_free(cache->down_pool_T);
+    pc_aligned_free(cache->neuron_pool);
     pc_aligned_free(cache->active_gate_up);
     pc_aligned_free(cache->active_down_T);
     pc_aligned_free(cache->active_indices);
@@ -147,9 +158,8 @@ void pc_destroy(pc_cache *cache) {
     free(cache);
 }
 
-void *pc_gate_pool(pc_cache *cache) { return cache->gate_pool; }
-void *pc_up_pool(pc_cache *cache) { return cache->up_pool; }
-void *pc_down_pool_T(pc_cache *cache) { return cache->down_pool_T; }
+void *pc_neuron_pool(pc_cache *cache) { return cache->neuron_pool; }
+int64_t pc_pool_row_bytes(const pc_cache *cache) { return (int64_t)cache->pool_row_bytes; }
 void *pc_active_gate_up(pc_cache *cache) { return cache->active_gate_up; }
 void *pc_active_down_T(pc_cache *cache) { return cache->active_down_T; }
 int32_t *pc_active_indices(pc_cache *cache) { return cache->active_indices; }
@@ -196,13 +206,9 @@ int pc_check_valid(const pc_cache *cache, char *message, size_t message_len) {
         }
         const uint8_t *gate_up = cache->active_gate_up + (size_t)p * cache->gate_up_row_bytes;
         const uint8_t *down = cache->active_down_T + (size_t)p * cache->down_row_bytes;
-        if ((cache->gate_row_bytes > 0 &&
-             memcmp(gate_up, cache->gate_pool + (size_t)id * cache->gate_row_bytes,
-                    cache->gate_row_bytes) != 0) ||
-            memcmp(gate_up + cache->gate_row_bytes,
-                   cache->up_pool + (size_t)id * cache->up_row_bytes, cache->up_row_bytes) != 0 ||
-            memcmp(down, cache->down_pool_T + (size_t)id * cache->down_row_bytes,
-                   cache->down_row_bytes) != 0) {
+        const uint8_t *row = cache->neuron_pool + (size_t)id * cache->pool_row_bytes;
+        if (memcmp(gate_up, row, cache->gate_up_row_bytes) != 0 ||
+            memcmp(down, row + cache->gate_up_row_bytes, cache->down_row_bytes) != 0) {
             FAIL("active row at position %lld differs from pool row %d", (long long)p, id);
         }
     }

@@ -26,14 +26,12 @@ typedef struct {
 
 struct pc_cache {
     pc_config cfg;
-    size_t gate_row_bytes;
-    size_t up_row_bytes;
-    size_t gate_up_row_bytes;
+    size_t gate_up_row_bytes; /* (gate_cols + up_cols) * elem_size */
     size_t down_row_bytes;
+    size_t pool_row_bytes; /* gate_up_row_bytes + down_row_bytes rounded up to a multiple
+                            * of 64 and of elem_size: every pool row on a cache line */
 
-    uint8_t *gate_pool;      /* [N, gate_cols] or NULL */
-    uint8_t *up_pool;        /* [N, up_cols] */
-    uint8_t *down_pool_T;    /* [N, hidden] */
+    uint8_t *neuron_pool;    /* [N, pool_row_bytes]: gate | up | down_T per neuron */
     uint8_t *active_gate_up; /* [capacity, gate_cols + up_cols] */
     uint8_t *active_down_T;  /* [capacity, hidden] */
 

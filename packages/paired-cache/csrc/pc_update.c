@@ -8,7 +8,7 @@
  * row nobody writes and writes a distinct position, so all copies run in one parallel
  * section before the metadata is updated sequentially. When k = |added| + |removed| exceeds
  * hybrid_tau * m (m: the mean of the active rows before and after), gathering the new set
- * from the pools (rebuild) replaces the diff.
+ * from the neuron pool (rebuild) replaces the diff.
  */
 #include <string.h>
 
@@ -57,21 +57,45 @@ typedef struct {
     const pc_copy *copies;
 } copy_ctx;
 
+/* The hardware prefetcher follows a row once it has seen a few lines of it, but it cannot
+ * guess where the next random pool row starts. Asking for the head of the pool row
+ * PC_PREFETCH_AHEAD copies ahead hides that start: measured at 1 thread, N = 8192, rows of
+ * 3 x 1024, paired updates and rebuilds 0-5% faster, never slower, in float32 and bfloat16.
+ * Prefetching the whole row instead was ~12% slower. */
+#define PC_PREFETCH_AHEAD 2
+#define PC_PREFETCH_BYTES 512
+
+static inline void prefetch_pool_row(const pc_cache *c, const pc_copy *cp) {
+#if defined(__GNUC__) || defined(__clang__)
+    if (cp->from_pool) {
+        const uint8_t *row = c->neuron_pool + (size_t)cp->src * c->pool_row_bytes;
+        size_t bytes = c->gate_up_row_bytes + c->down_row_bytes;
+        bytes = bytes < PC_PREFETCH_BYTES ? bytes : PC_PREFETCH_BYTES;
+        for (size_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(row + off, 0, 3);
+        }
+    }
+#else
+    (void)c;
+    (void)cp;
+#endif
+}
+
 static void copy_rows(void *arg, int64_t begin, int64_t end) {
     const copy_ctx *ctx = arg;
     const pc_cache *c = ctx->cache;
     for (int64_t j = begin; j < end; j++) {
         const pc_copy *cp = &ctx->copies[j];
+        if (j + PC_PREFETCH_AHEAD < end) {
+            prefetch_pool_row(c, &ctx->copies[j + PC_PREFETCH_AHEAD]);
+        }
         uint8_t *gate_up = c->active_gate_up + (size_t)cp->dst * c->gate_up_row_bytes;
         uint8_t *down = c->active_down_T + (size_t)cp->dst * c->down_row_bytes;
         if (cp->from_pool) {
-            size_t src = (size_t)cp->src;
-            if (c->gate_row_bytes > 0) {
-                memcpy(gate_up, c->gate_pool + src * c->gate_row_bytes, c->gate_row_bytes);
-            }
-            memcpy(gate_up + c->gate_row_bytes, c->up_pool + src * c->up_row_bytes,
-                   c->up_row_bytes);
-            memcpy(down, c->down_pool_T + src * c->down_row_bytes, c->down_row_bytes);
+            /* One contiguous source per neuron: gate | up, then down_T right after it. */
+            const uint8_t *row = c->neuron_pool + (size_t)cp->src * c->pool_row_bytes;
+            memcpy(gate_up, row, c->gate_up_row_bytes);
+            memcpy(down, row + c->gate_up_row_bytes, c->down_row_bytes);
         } else {
             memcpy(gate_up, c->active_gate_up + (size_t)cp->src * c->gate_up_row_bytes,
                    c->gate_up_row_bytes);
@@ -94,7 +118,7 @@ static inline void place(pc_cache *c, int64_t *m, int32_t id) {
     (*m)++;
 }
 
-/* Gathers the new set from the pools in row-id order (ascending addresses in each pool). */
+/* Gathers the new set from the pool in row-id order (ascending addresses). */
 static int64_t rebuild(pc_cache *c, const uint8_t *new_mask) {
     for (int64_t p = 0; p < c->m; p++) {
         c->index_to_position[c->active_indices[p]] = -1;

@@ -126,6 +126,27 @@ class CacheMachine(RuleBasedStateMachine):
         assert np.array_equal(as_bits(self.cache.down()), as_bits(self.down[:, idx]))
         assert self.cache.stats.updates == self.updates
 
+    @invariant()
+    def pool_views_hold_the_weights(self):
+        # Updates only read the neuron pool: its gate/up/down_T views stay the weights, and
+        # they stay views of the one pool (a copy would still compare equal here).
+        pool = self.cache.neuron_pool
+        blocks = [self.up, self.down.t()]
+        if self.gate is not None:
+            blocks.insert(0, self.gate)
+            assert np.array_equal(as_bits(self.cache.gate_pool), as_bits(self.gate))
+            assert self.cache.gate_pool.data_ptr() == pool.data_ptr()
+        else:
+            assert self.cache.gate_pool is None
+        assert np.array_equal(as_bits(pool), as_bits(torch.cat(blocks, dim=1)))
+        assert np.array_equal(as_bits(self.cache.up_pool), as_bits(self.up))
+        assert np.array_equal(as_bits(self.cache.down_pool_T), as_bits(self.down.t()))
+        size = pool.element_size()
+        assert self.cache.up_pool.data_ptr() == pool.data_ptr() + self.cache.gate_cols * size
+        assert self.cache.down_pool_T.data_ptr() == (
+            pool.data_ptr() + (self.cache.gate_cols + self.cache.up_cols) * size
+        )
+
 
 CacheMachine.TestCase.settings = settings(
     max_examples=60,

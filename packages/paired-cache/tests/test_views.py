@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from conftest import make_weights
 
 from paired_cache import PairedCache
+from paired_cache._core import ffi, lib
 
 N, H = 40, 8
 
@@ -67,8 +69,58 @@ def test_pools_hold_the_weights_with_down_transposed():
     assert c.up_pool.dtype == torch.bfloat16
     assert torch.equal(c.gate_pool, gate) and torch.equal(c.up_pool, up)
     assert torch.equal(c.down_pool_T, down.t())
-    assert c.up_pool.data_ptr() % 64 == 0 and c.down_pool_T.data_ptr() % 64 == 0
-    assert c.gate_up().data_ptr() % 64 == 0
+    assert c.neuron_pool.data_ptr() % 64 == 0 and c.gate_up().data_ptr() % 64 == 0
+    assert c.active_down_T().data_ptr() % 64 == 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "gate_cols", "up_cols", "hidden", "stride_bytes"),
+    [
+        (torch.float32, 5, 7, 3, 64),  # 60 bytes per neuron: padded to a cache line
+        (torch.bfloat16, 3, 4, 5, 64),
+        (torch.float64, 0, 6, 10, 128),  # no gate: up | down_T only
+        (torch.bfloat16, 32, 32, 32, 192),  # a multiple of 64 already: no padding
+    ],
+)
+def test_pool_is_one_row_per_neuron_gate_up_down(dtype, gate_cols, up_cols, hidden, stride_bytes):
+    n, size = 12, dtype.itemsize
+    gen = torch.Generator().manual_seed(1)
+    gate = torch.randn(n, gate_cols, generator=gen).to(dtype) if gate_cols else None
+    up = torch.randn(n, up_cols, generator=gen).to(dtype)
+    down = torch.randn(hidden, n, generator=gen).to(dtype)
+    c = PairedCache(up, down, gate, capacity=6)
+    row = gate_cols + up_cols + hidden
+    expected = torch.cat([*([gate] if gate is not None else []), up, down.t()], dim=1)
+    assert c.neuron_pool.shape == (n, row) and c.neuron_pool.dtype == dtype
+    assert torch.equal(c.neuron_pool, expected)
+    # The core's row stride: gate | up | down_T padded to whole cache lines.
+    assert lib.pc_pool_row_bytes(c._handle) == stride_bytes
+    assert c.neuron_pool.stride() == (stride_bytes // size, 1)
+    base = c.neuron_pool.data_ptr()
+    assert base == int(ffi.cast("uintptr_t", lib.pc_neuron_pool(c._handle)))
+    assert base % 64 == 0
+    # The per-part pools are views of the neuron pool's column blocks, same storage.
+    parts = [(c.up_pool, gate_cols, up_cols), (c.down_pool_T, gate_cols + up_cols, hidden)]
+    if gate is None:
+        assert c.gate_pool is None
+    else:
+        parts.append((c.gate_pool, 0, gate_cols))
+    for view, offset, cols in parts:
+        assert view.shape == (n, cols) and view.dtype == dtype
+        assert view.data_ptr() == base + offset * size
+        assert view.stride() == c.neuron_pool.stride()
+        assert view.untyped_storage().data_ptr() == c.neuron_pool.untyped_storage().data_ptr()
+    # Each pool row as the C core sees it: the bytes of gate row | up row | down column.
+    for i in range(n):
+        raw = ffi.buffer(lib.pc_neuron_pool(c._handle) + i * stride_bytes, row * size)
+        assert bytes(raw) == expected[i].contiguous().view(torch.uint8).numpy().tobytes()
+    # A write through a part view lands where the core copies from.
+    c.down_pool_T[4, -1] = 7
+    c.up_pool[4, 0] = 3
+    c.update(mask_of([2, 4], n))
+    pos = c.index_to_position()[4]
+    assert c.up()[pos, 0] == 3 and c.active_down_T()[pos, -1] == 7
+    c.check_valid()
 
 
 def test_stats_count_rows_and_bytes():

@@ -70,10 +70,14 @@ class PairedCache:
     """Rows of gate/up and of down transposed for the active neurons of one gated MLP.
 
     up: (N, up_cols), down: (hidden, N) (an nn.Linear weight), gate: (N, gate_cols) or
-    None; one dtype among float32, float16, bfloat16; CPU, contiguous. The pools copy them
-    (down transposed to down_pool_T (N, hidden)); the active buffers hold up to capacity
-    rows, packed. Views returned by the accessors alias C memory that never reallocates.
-    Not safe for concurrent updates from several threads; a lock serialises them.
+    None; one dtype among float32, float16, bfloat16, float64; CPU, contiguous. The neuron
+    pool copies them, one row per neuron: neuron_pool (N, gate_cols + up_cols + hidden) holds
+    gate row | up row | down column (down transposed), so that adding a neuron reads one
+    contiguous run of bytes. gate_pool (N, gate_cols) (None without a gate), up_pool
+    (N, up_cols) and down_pool_T (N, hidden) are strided views of its column blocks. The
+    active buffers hold up to capacity rows, packed. Views returned by the accessors alias C
+    memory that never reallocates. Not safe for concurrent updates from several threads; a
+    lock serialises them.
     """
 
     def __init__(
@@ -122,17 +126,16 @@ class PairedCache:
         self._stats = ffi.new("pc_stats *")
         self._count = ffi.new("int64_t *")
         h, size, row = self._handle, up.element_size(), gate_cols + up_cols
+        # Pool rows are padded to a multiple of 64 bytes and of the element size by the core:
+        # stride elements per row, of which the first gate_cols + up_cols + hidden are used.
+        stride = lib.pc_pool_row_bytes(h) // size
+        padded = _view(h, lib.pc_neuron_pool(h), n * stride * size, self.dtype, (n, stride))
+        self.neuron_pool = padded[:, : row + hidden]  # (N, gate_cols + up_cols + hidden)
+        self.gate_pool = self.neuron_pool[:, :gate_cols] if gate is not None else None
+        self.up_pool = self.neuron_pool[:, gate_cols:row]  # (N, up_cols)
+        self.down_pool_T = self.neuron_pool[:, row:]  # (N, hidden)
         if gate is not None:
-            self.gate_pool = _view(
-                h, lib.pc_gate_pool(h), n * gate_cols * size, self.dtype, (n, gate_cols)
-            )
             self.gate_pool.copy_(gate)
-        else:
-            self.gate_pool = None
-        self.up_pool = _view(h, lib.pc_up_pool(h), n * up_cols * size, self.dtype, (n, up_cols))
-        self.down_pool_T = _view(
-            h, lib.pc_down_pool_T(h), n * hidden * size, self.dtype, (n, hidden)
-        )
         self.up_pool.copy_(up)
         self.down_pool_T.copy_(down.t())  # (hidden, N) -> (N, hidden)
         self._active_gate_up = _view(
@@ -237,7 +240,8 @@ class PairedCache:
 
     def check_valid(self) -> None:
         """Raise CacheInvariantError unless active_indices and index_to_position are a
-        bijection, the mask equals the active set, and every active row equals its pool row."""
+        bijection, the mask equals the active set, and every active row equals its neuron's
+        pool row (gate | up, and down_T)."""
         message = ffi.new("char[]", 512)
         with self._lock:
             rc = lib.pc_check_valid(self._handle, message, 512)

@@ -2,14 +2,17 @@
 
 Every method walks the same chain of masks (m active rows out of N; each step swaps k/2
 active rows for k/2 inactive ones, so k = |added| + |removed|), interleaved step by step,
-and each update is timed alone. Baselines rebuild the whole active set from the same
-pre-transposed pools with precomputed indices (their strongest form): torch index_select
-and numpy fancy indexing (np.take). The physical limit is measured in the same loop:
-"memcpy" moves the bytes of the step's paired update (k/2 rows) as one single-thread
-memcpy from a fresh random offset of a source far larger than the last-level cache, into
-a destination the size of the active buffers; "memcpy_gather" moves the same bytes as
-pool-row-sized chunks from random places of that source (torch.index_select, one memcpy
-per chunk): the bound for rows that sit at random places, as context.
+and each update is timed alone. Baselines rebuild the whole active set with precomputed
+indices (their strongest form) from a pool laid out as the cache's own: one pre-transposed
+(N, gate + up + hidden) row per neuron, gathered by one torch index_select or numpy fancy
+indexing (np.take) into an (m, gate + up + hidden) buffer whose column blocks are the
+gate, up and down_T views. The physical limit is measured in the same loop: "memcpy"
+moves the bytes of the step's paired update (k/2 rows) as one single-thread memcpy from a
+fresh random offset of a source far larger than the last-level cache, into a destination
+the size of the active buffers; "memcpy_gather" moves the same bytes as neuron-row-sized
+chunks (gate + up + hidden elements, one pool row) from random places of that source
+(torch.index_select, one memcpy per chunk): the bound for rows that sit at random places,
+as context.
 """
 
 from __future__ import annotations
@@ -103,15 +106,16 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig, cold
             ("hybrid", base),
         )
     }
-    # The baselines read pools of their own (a cache's pools: the same allocation, huge
-    # pages included): reading the paired cache's pools would warm the very rows that cache
-    # adds next and flatter it against the hybrid.
+    # The baselines read a neuron pool of their own (a cache's: the same allocation and
+    # interleaved layout, huge pages included): reading the paired cache's pool would warm
+    # the very rows that cache adds next and flatter it against the hybrid.
     pools = PairedCache(up, down, gate, capacity=1, config=CacheConfig(num_threads=1))
     del gate, up, down
-    t_pools = (pools.gate_pool, pools.up_pool, pools.down_pool_T)
-    t_out = tuple(torch.empty(cfg.m, p.shape[1], dtype=dtype) for p in t_pools)
-    n_pools = tuple(_as_numpy(p) for p in t_pools)
-    n_out = tuple(_as_numpy(o) for o in t_out)
+    t_pool = pools.neuron_pool  # (N, gate + up + hidden)
+    # (m, gate + up + hidden): its column blocks [:, :gate + up] and [:, gate + up:] are the
+    # rebuilt gate_up and down_T, zero-copy views as the cache's are.
+    t_out = torch.empty(cfg.m, t_pool.shape[1], dtype=dtype)
+    n_pool, n_out = _as_numpy(t_pool), _as_numpy(t_out)
     n_indices = [i.numpy() for i in indices]
 
     elem = torch.finfo(dtype).bits // 8
@@ -119,7 +123,7 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig, cold
     copy_rows = k // 2  # what a paired update of this chain moves
     copy_bytes = copy_rows * row_bytes
     active = np.zeros(cfg.m * row_bytes, dtype=np.uint8)  # as large as the active buffers
-    chunk = c * elem  # one pool row of gate or up
+    chunk = row_bytes  # one neuron's pool row: gate | up | down_T
     n_chunks = -(-copy_bytes // chunk)
     t_cold = torch.from_numpy(cold[: cold.size // chunk * chunk]).view(-1, chunk)
     t_active = torch.from_numpy(active[: n_chunks * chunk]).view(n_chunks, chunk)
@@ -134,12 +138,10 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig, cold
     ]
 
     def torch_rebuild(i):
-        for pool, out in zip(t_pools, t_out, strict=True):
-            torch.index_select(pool, 0, indices[i], out=out)
+        torch.index_select(t_pool, 0, indices[i], out=t_out)
 
     def numpy_rebuild(i):
-        for pool, out in zip(n_pools, n_out, strict=True):
-            np.take(pool, n_indices[i], axis=0, out=out)
+        np.take(n_pool, n_indices[i], axis=0, out=n_out)
 
     def memcpy(i):
         off = offsets[i]

@@ -3,7 +3,9 @@
  *
  * Random masks (empty, full, unchanged, capacity edge, small and large diffs) against a
  * plain array model; pc_check_valid and the model after every update; every error path.
- * Pools hold distinct bytes per row, so a row copied from the wrong place is caught.
+ * Pool rows hold distinct bytes per row and column, computed again here for every active
+ * row, so a row copied from the wrong place, or a pool layout other than gate | up | down_T
+ * per neuron, is caught without trusting the core's own check.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,12 +33,47 @@ static uint64_t next_u64(void) {
     return rng_state;
 }
 
-static void fill_pool(uint8_t *pool, int64_t n, size_t row_bytes, uint8_t salt) {
+/* The byte at column byte b of neuron r's gate, up or down_T row (part 0, 1, 2). */
+static uint8_t weight_byte(int64_t r, size_t b, int part) {
+    return (uint8_t)(r * 31 + b * 7 + part * 101 + 1);
+}
+
+/* Writes every neuron's gate, up and down_T rows into its pool row, back to back. */
+static void fill_pool(pc_cache *cache, int64_t n, const size_t part_bytes[3]) {
+    uint8_t *pool = pc_neuron_pool(cache);
+    size_t stride = (size_t)pc_pool_row_bytes(cache);
     for (int64_t r = 0; r < n; r++) {
-        for (size_t b = 0; b < row_bytes; b++) {
-            pool[(size_t)r * row_bytes + b] = (uint8_t)(r * 31 + b * 7 + salt);
+        uint8_t *row = pool + (size_t)r * stride;
+        for (int part = 0; part < 3; part++) {
+            for (size_t b = 0; b < part_bytes[part]; b++) {
+                *row++ = weight_byte(r, b, part);
+            }
         }
     }
+}
+
+/* 1 when position p of the active buffers holds neuron id's gate | up row and down_T row,
+ * recomputed from weight_byte rather than read from the pool. */
+static int active_row_is(pc_cache *cache, int64_t p, int32_t id, const size_t part_bytes[3]) {
+    size_t gate_up_bytes = part_bytes[0] + part_bytes[1];
+    const uint8_t *gate_up = (const uint8_t *)pc_active_gate_up(cache) + (size_t)p * gate_up_bytes;
+    const uint8_t *down = (const uint8_t *)pc_active_down_T(cache) + (size_t)p * part_bytes[2];
+    for (size_t b = 0; b < part_bytes[0]; b++) {
+        if (gate_up[b] != weight_byte(id, b, 0)) {
+            return 0;
+        }
+    }
+    for (size_t b = 0; b < part_bytes[1]; b++) {
+        if (gate_up[part_bytes[0] + b] != weight_byte(id, b, 1)) {
+            return 0;
+        }
+    }
+    for (size_t b = 0; b < part_bytes[2]; b++) {
+        if (down[b] != weight_byte(id, b, 2)) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static pc_config base_config(int64_t n, int64_t gate, int64_t up, int64_t hidden,
@@ -91,11 +128,8 @@ static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int6
     if (cache == NULL) {
         return;
     }
-    if (gate > 0) {
-        fill_pool(pc_gate_pool(cache), n, (size_t)(gate * elem), 1);
-    }
-    fill_pool(pc_up_pool(cache), n, (size_t)(up * elem), 2);
-    fill_pool(pc_down_pool_T(cache), n, (size_t)(hidden * elem), 3);
+    const size_t parts[3] = {(size_t)(gate * elem), (size_t)(up * elem), (size_t)(hidden * elem)};
+    fill_pool(cache, n, parts);
     uint8_t *model = calloc((size_t)n, 1);
     uint8_t *mask = calloc((size_t)n, 1);
     char msg[256];
@@ -130,6 +164,11 @@ static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int6
             }
         }
         CHECK(memcmp(pc_current_mask(cache), model, (size_t)n) == 0, "mask != model");
+        for (int64_t p = 0; p < pc_num_active(cache); p++) {
+            int32_t id = pc_active_indices(cache)[p];
+            CHECK(id >= 0 && id < n && active_row_is(cache, p, id, parts),
+                  "position %lld does not hold neuron %d's rows", (long long)p, id);
+        }
         rc = pc_check_valid(cache, msg, sizeof msg);
         CHECK(rc == PC_OK, "check_valid: %s", msg);
     }
@@ -165,7 +204,8 @@ static void test_corruption_detected(void) {
     pc_config cfg = base_config(32, 2, 2, 2, 4, 16);
     pc_cache *cache = NULL;
     CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create");
-    fill_pool(pc_up_pool(cache), 32, 8, 2);
+    const size_t parts[3] = {8, 8, 8};
+    fill_pool(cache, 32, parts);
     uint8_t mask[32] = {0};
     mask[3] = mask[7] = mask[9] = 1;
     CHECK(pc_update(cache, mask, NULL) == PC_OK, "update");
@@ -180,12 +220,48 @@ static void test_corruption_detected(void) {
     pc_current_mask(cache)[4] = 0;
     pc_index_to_position(cache)[3] = 2;
     CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_ERR_INVALID, "index corruption missed");
+    pc_index_to_position(cache)[3] = 0;
+    CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_OK, "valid after repair: %s", msg);
+    /* The down_T part of row 9's pool row (position 2): the pool, not just the active rows,
+     * is what the check compares against, at the down_T offset. */
+    uint8_t *pool_down = (uint8_t *)pc_neuron_pool(cache) + 9 * pc_pool_row_bytes(cache) + 16;
+    pool_down[5] ^= 0xFF;
+    CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_ERR_INVALID, "pool down_T change missed");
+    pool_down[5] ^= 0xFF;
     pc_destroy(cache);
+}
+
+/* Pool rows are gate | up | down_T padded to a multiple of 64 bytes and of elem_size; the
+ * pool and each of its rows start on a cache line. */
+static void test_pool_row_stride(void) {
+    struct {
+        int64_t gate, up, hidden, elem, want;
+    } cases[] = {
+        {5, 7, 3, 4, 64},          /* 60 bytes: padded to one line */
+        {0, 16, 16, 2, 64},        /* exactly one line, no gate */
+        {1024, 1024, 1024, 2, 6144}, /* bfloat16 SmolLM-like: 6 KiB, no padding */
+        {1, 1, 1, 3, 192},         /* 9 bytes of 3-byte elements: lcm(64, 3) */
+        {3, 3, 3, 16, 192},        /* 144 bytes of 16-byte elements */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        pc_config cfg =
+            base_config(8, cases[i].gate, cases[i].up, cases[i].hidden, cases[i].elem, 4);
+        pc_cache *cache = NULL;
+        CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create case %zu", i);
+        if (cache == NULL) {
+            continue;
+        }
+        CHECK(pc_pool_row_bytes(cache) == cases[i].want, "case %zu: stride %lld != %lld", i,
+              (long long)pc_pool_row_bytes(cache), (long long)cases[i].want);
+        CHECK((uintptr_t)pc_neuron_pool(cache) % 64 == 0, "case %zu: pool not 64-byte aligned", i);
+        pc_destroy(cache);
+    }
 }
 
 int main(void) {
     test_config_errors();
     test_corruption_detected();
+    test_pool_row_stride();
     const int64_t elems[4] = {8, 4, 2, 1};
     for (int e = 0; e < 4; e++) {
         run_random(64, 3, 5, 7, elems[e], 40, 0.5, 300);  /* gate on, hybrid default */
