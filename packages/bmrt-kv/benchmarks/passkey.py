@@ -10,6 +10,7 @@ scoring modes); ``--quick`` and the flags run a subset, and the JSON says exactl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -18,7 +19,7 @@ import sys
 import time
 
 import torch
-from common import COMMAND, write_result
+from common import COMMAND, RESULTS, write_result
 
 from bmrt_kv import SELECTORS, BMRTConfig
 from bmrt_kv.evaluation import multikey_sample, passkey_samples, run_sample
@@ -58,6 +59,20 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
+        "--kernel", type=int, default=None, help="max-pool width for exact and snapkv (odd)"
+    )
+    parser.add_argument(
+        "--question-weight",
+        type=float,
+        default=0.5,
+        help="query-aware rows: the question's share of the scoring weight, in (0, 1]",
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the rows to results/<name>.json instead of replacing it",
+    )
+    parser.add_argument(
         "--name", default=None, help="results/<name>.json (default: passkey or passkey_multikey)"
     )
     args = parser.parse_args(argv)
@@ -71,7 +86,10 @@ def main(argv=None) -> None:
     model, tokenizer = load_smollm2()
     name = args.name or ("passkey_multikey" if args.multikey else "passkey")
     load_start = os.getloadavg()[0]
-    rows = []
+    rows, earlier = [], None
+    if args.append and (RESULTS / f"{name}.json").is_file():
+        earlier = json.loads((RESULTS / f"{name}.json").read_text())
+        rows = earlier["rows"]
     for n_tokens in args.lengths:
         samples = samples_for(tokenizer, n_tokens, args.samples, args.multikey, args.seed)
         runs = [("full", None, "-")] if "full" in args.selectors else []
@@ -86,20 +104,29 @@ def main(argv=None) -> None:
         ]
         for selector, budget, scoring in runs:
             config = None
+            options = {}
+            if args.kernel is not None and selector in ("exact", "snapkv"):
+                options["kernel"] = args.kernel
             if selector != "full":
                 config = BMRTConfig(
-                    budget=budget, block_size=args.block_size, selector=selector, scoring=scoring
+                    budget=budget,
+                    block_size=args.block_size,
+                    selector=selector,
+                    selector_options=options,
+                    scoring=scoring,
+                    question_weight=args.question_weight,
                 )
             start = time.perf_counter()
             results = []
             for i, sample in enumerate(samples):
                 results.append(run_sample(model, tokenizer, sample, config, args.block_size))
                 print(f"  {selector} {scoring} sample {i}: {results[-1]['output']!r}", flush=True)
+            weighted = scoring == "query_aware" and args.question_weight != 0.5
             row = [
                 n_tokens,
-                selector,
+                selector + (f" (kernel {options['kernel']})" if options else ""),
                 budget or "-",
-                scoring,
+                scoring + (f" (question {args.question_weight})" if weighted else ""),
                 f"{sum(r['correct'] for r in results)}/{len(results)}",
                 round(statistics.median(r["prefill_tokens_per_s"] for r in results), 1),
                 round(statistics.median(r["decode_tokens_per_s"] for r in results), 1),
@@ -107,10 +134,10 @@ def main(argv=None) -> None:
             ]
             rows.append(row)
             print(row, f"{time.perf_counter() - start:.0f}s", flush=True)
-            _write(name, args, argv, rows, load_start)
+            _write(name, args, argv, rows, load_start, earlier)
 
 
-def _write(name, args, argv, rows, load_start) -> None:
+def _write(name, args, argv, rows, load_start, earlier=None) -> None:
     """Rewrite the JSON after every configuration, so a cut-off run keeps what it measured."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     write_result(
@@ -128,10 +155,13 @@ def _write(name, args, argv, rows, load_start) -> None:
         ],
         rows,
         targets(rows),
-        command=_command(argv),
-        notes=f"Ran: lengths {args.lengths}, {args.samples} samples each, budgets {args.budgets}, "
+        command=(earlier["command"] + " ; then " if earlier else "") + _command(argv),
+        notes=(earlier["notes"] + " THEN (--append) " if earlier else "")
+        + f"Ran: lengths {args.lengths}, {args.samples} samples each, budgets {args.budgets}, "
         f"selectors {args.selectors}, scorings {args.scorings}, block {args.block_size}"
         + (f", {args.multikey} keys per sample" if args.multikey else "")
+        + (f", kernel {args.kernel}" if args.kernel is not None else "")
+        + (f", question weight {args.question_weight}" if args.question_weight != 0.5 else "")
         + f". Peak RSS of the whole run {rss / 2**20:.0f} MiB. 1-minute load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the last row "
         "(2 cores): tok/s are context, the accuracy columns do not depend on load.",
@@ -163,13 +193,13 @@ def targets(rows, tokens: int = 7500, budget: int = 1024) -> list[dict]:
         ("query_aware", full, "query-aware >= 90% of full-cache accuracy"),
         ("agnostic", streaming, "query-agnostic >= streaming + 40 points"),
     ):
-        mine = [r for r in bounded if r[3] == scoring]
+        mine = [r for r in bounded if r[3].split(" ")[0] == scoring]
         if not reference or not mine:
             continue
         best = max(mine, key=_accuracy)
         ref = _accuracy(reference[0])
-        default = next((r for r in mine if r[1] == "exact"), None)
-        measured = f"best {best[1]} {_accuracy(best):.0%} vs {reference[0][1]} {ref:.0%}"
+        default = next((r for r in mine if r[1] == "exact" and r[3] == scoring), None)
+        measured = f"best {best[1]} {best[3]} {_accuracy(best):.0%} vs {reference[0][1]} {ref:.0%}"
         if default is not None and default is not best:
             measured += f" (the default selector, exact: {_accuracy(default):.0%})"
         if scoring == "query_aware":

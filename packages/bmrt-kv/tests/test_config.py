@@ -66,6 +66,8 @@ def test_unknown_modes(field, value):
         ("magicpig", {"bits": 0}, "bits"),
         ("snapkv", {"kernel": 4}, "kernel"),
         ("snapkv", {"window": 0}, "window"),
+        ("exact", {"kernel": 2}, "kernel"),
+        ("exact", {"kernel": 0}, "kernel"),
         ("hybrid", {"ratio": 1.5}, "ratio"),
         ("hybrid", {"primary": "hybrid"}, "primary"),
         ("hybrid", {"secondary": "nope"}, "selector"),
@@ -75,3 +77,9 @@ def test_unknown_modes(field, value):
 def test_bad_selector_options(selector, options, name):
     with pytest.raises(ValueError, match=name):
         BMRTConfig(selector=selector, selector_options=options)
+
+
+@pytest.mark.parametrize("weight", [0.0, -0.1, 1.5, float("nan"), "half", True])
+def test_question_weight_outside_zero_one_is_rejected(weight):
+    with pytest.raises(ValueError, match="question_weight"):
+        BMRTConfig(scoring="query_aware", question_weight=weight)

@@ -64,3 +64,18 @@ def test_cli_rejects_a_bad_config(tmp_path, capsys):
         main(["run", str(tmp_path / "x.txt"), "--model", "m", "--question", "q", "--divisor", "2"])
     assert exit_info.value.code == 2
     assert "protection_divisor" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_query_aware_options(tmp_path, capsys):
+    import pytest
+
+    base = ["run", str(tmp_path / "x.txt"), "--model", "m", "--question", "q"]
+    for extra, name in (
+        (["--question-weight", "0"], "question_weight"),
+        (["--kernel", "4"], "kernel"),
+        (["--selector", "lsh", "--kernel", "3"], "--kernel"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(base + extra)
+        assert exit_info.value.code == 2
+        assert name in capsys.readouterr().err

@@ -89,6 +89,15 @@ def test_snapkv_keeps_the_neighbourhood_of_a_hit():
     assert sorted(picked[0, 0].tolist()) == list(range(4, 11))
 
 
+def test_exact_with_a_kernel_keeps_the_neighbourhood_of_a_hit():
+    pool = _aligned_pool(target=7)
+    picked = make_selector("exact", {"kernel": 5}).select(pool, 5)
+    assert sorted(picked[0, 0].tolist()) == list(range(5, 10))
+    # kernel 1 (the default) is the unpooled attention mass
+    unpooled = make_selector("exact").score(pool)
+    torch.testing.assert_close(make_selector("exact", {"kernel": 1}).score(pool), unpooled)
+
+
 def test_exact_scores_are_the_attention_mass():
     pool = random_pool(1, p=12, t=3, groups=1)
     logits = pool.queries @ pool.keys.transpose(-1, -2) / math.sqrt(pool.keys.shape[-1])

@@ -73,3 +73,34 @@ def test_generate_needs_input_and_a_positive_count(llama):
         stream.generate(max_new_tokens=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         stream.generate([1, 2], max_new_tokens=0)
+
+
+@pytest.mark.parametrize("weight", [0.5, 0.9, 1.0])
+def test_question_weight_is_the_questions_share_of_the_scoring_weight(llama, weight):
+    question = [5, 6, 7]
+    config = BMRTConfig(
+        budget=16,
+        protection_divisor=4,
+        block_size=8,
+        scoring="query_aware",
+        question_weight=weight,
+    )
+    stream = BoundedStream(llama, config=config, question=question)
+    seen = []
+    for layer in stream.cache.layers:
+        score = layer.selector.score
+
+        def recording(pool, score=score):
+            seen.append(pool.query_weights.view(pool.query_groups, -1))
+            return score(pool)
+
+        layer.selector.score = recording
+    stream.feed(torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4)))
+    assert seen, "no compression step scored anything"
+    for weights in seen:
+        question_part = weights[:, -len(question) :].sum(-1)
+        total = weights.sum(-1)
+        torch.testing.assert_close(question_part / total, torch.full_like(total, weight))
+        # every question query counts the same, and so does every block query
+        assert torch.unique(weights[:, -len(question) :]).numel() == 1
+        assert torch.unique(weights[:, : -len(question)]).numel() == 1

@@ -21,6 +21,15 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--positions", choices=POSITION_MODES, default="absolute")
     parser.add_argument("--granularity", choices=GRANULARITIES, default="head")
     parser.add_argument("--tie-breaker", choices=sorted(TIE_BREAKERS), default=None)
+    parser.add_argument(
+        "--kernel", type=int, default=None, help="max-pool width of exact / snapkv scores (odd)"
+    )
+    parser.add_argument(
+        "--question-weight",
+        type=float,
+        default=0.5,
+        help="query-aware scoring: the question's share of the scoring weight, in (0, 1]",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -30,6 +39,10 @@ def _config(args, budget: int, selector: str) -> BMRTConfig:
         if selector != "lsh":
             raise ValueError(f"--tie-breaker applies to the lsh selector, not {selector!r}")
         options["tie_breaker"] = args.tie_breaker
+    if args.kernel is not None:
+        if selector not in ("exact", "snapkv"):
+            raise ValueError(f"--kernel applies to the exact and snapkv selectors, not {selector!r}")
+        options["kernel"] = args.kernel
     return BMRTConfig(
         budget=budget,
         protection_divisor=args.divisor,
@@ -37,6 +50,7 @@ def _config(args, budget: int, selector: str) -> BMRTConfig:
         selector=selector,
         selector_options=options,
         scoring=args.scoring,
+        question_weight=args.question_weight,
         positions=args.positions,
         granularity=args.granularity,
         seed=args.seed,

@@ -27,6 +27,10 @@ class BMRTConfig:
         selector_options: keyword arguments of that selector's constructor.
         scoring: ``"agnostic"`` (relevance to the current block) or ``"query_aware"``
             (a known question is appended to each block's scoring queries).
+        question_weight: in query-aware scoring, the share of the scoring weight the
+            question's queries get together (the block's queries share the rest), in
+            (0, 1]. 0.5 (the default) weighs the question as much as the block; 1 scores
+            by the question alone.
         positions: ``"absolute"`` (kept tokens keep their position ids) or ``"rerotate"``
             (kept keys are re-rotated to contiguous positions just before the next query).
         granularity: ``"head"`` (each KV head selects its own tokens) or ``"layer"``
@@ -40,6 +44,7 @@ class BMRTConfig:
     selector: str = "exact"
     selector_options: dict = field(default_factory=dict)
     scoring: str = "agnostic"
+    question_weight: float = 0.5
     positions: str = "absolute"
     granularity: str = "head"
     seed: int = 0
@@ -62,6 +67,12 @@ class BMRTConfig:
                 f"token and one memory slot (budget >= {2 * self.protection_divisor - 1} "
                 "with at least one memory slot left after 2 * budget // protection_divisor)"
             )
+        if (
+            isinstance(self.question_weight, bool)
+            or not isinstance(self.question_weight, (int, float))
+            or not 0.0 < self.question_weight <= 1.0
+        ):
+            raise ValueError(f"question_weight must be in (0, 1], got {self.question_weight!r}")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {self.selector!r}")
         for name, value, allowed in (

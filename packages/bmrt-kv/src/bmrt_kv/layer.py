@@ -123,10 +123,16 @@ class BMRTLayer(CacheLayerMixin):
         groups = n_heads // h
         weights = None
         if n_scoring_only:
-            # The question weighs as much as the block: summed over its few queries it
-            # would otherwise vanish next to the block's many.
+            # The question gets `question_weight` of the scoring weight (by default as much
+            # as the block): summed over its few queries it would otherwise vanish next to
+            # the block's many.
+            # Both shares are doubled so that the default keeps the 0.2.0 weights (1 / n
+            # per query on each side), which h2o's accumulated mass is compared against.
+            share = 2.0 * float(self.config.question_weight)
             is_question = torch.arange(t, device=self.device) >= t - n_scoring_only
-            per_query = torch.where(is_question, 1.0 / n_scoring_only, 1.0 / (t - n_scoring_only))
+            per_query = torch.where(
+                is_question, share / n_scoring_only, (2.0 - share) / max(t - n_scoring_only, 1)
+            )
             weights = per_query.repeat(groups)
         # Query head g*... of KV head j is j * G + g (transformers' repeat_kv layout).
         grouped = queries.reshape(b, h, groups * t, hd)

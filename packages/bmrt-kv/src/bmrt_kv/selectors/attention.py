@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from bmrt_kv.selectors.base import Pool
 
@@ -41,6 +42,18 @@ def attention_mass(pool: Pool, last_queries: int | None = None) -> torch.Tensor:
     if pool.query_weights is None or last_queries is not None:
         return probs.sum(dim=-2)
     return torch.einsum("bhqp,q->bhp", probs, pool.query_weights.to(probs.dtype))
+
+
+def max_pool_over_time(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool (b, h, P) scores over ``kernel`` neighbouring pool tokens (odd; 1: as is).
+
+    The pool is sorted by position per head, so neighbours along P are neighbours in time.
+    """
+    if kernel == 1:
+        return scores
+    b, h, p = scores.shape
+    pooled = F.max_pool1d(scores.reshape(b * h, 1, p), kernel, stride=1, padding=kernel // 2)
+    return pooled.view(b, h, p)
 
 
 def _tail_per_head(pool: Pool, n: int) -> tuple[torch.Tensor, torch.Tensor]:

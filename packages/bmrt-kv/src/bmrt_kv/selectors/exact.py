@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from bmrt_kv.selectors.attention import attention_mass
+from bmrt_kv.selectors.attention import attention_mass, max_pool_over_time
 from bmrt_kv.selectors.base import Pool, Selector
 
 
 class ExactSelector(Selector):
-    """The quality upper bound: the attention mass each candidate receives from the block."""
+    """The quality upper bound: the attention mass each candidate receives from the block.
+
+    Args:
+        kernel: odd width of a max-pool over neighbouring positions applied to the scores
+            (1, the default, is the design: no pooling). A wider kernel keeps the tokens
+            around a hit too, so a number split into one token per digit is kept whole.
+    """
+
+    def __init__(self, seed: int = 0, kernel: int = 1) -> None:
+        super().__init__(seed)
+        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd int >= 1, got {kernel!r}")
+        self.kernel = kernel
 
     def score(self, pool: Pool) -> torch.Tensor:
-        return attention_mass(pool).to(torch.float64)
+        return max_pool_over_time(attention_mass(pool), self.kernel).to(torch.float64)

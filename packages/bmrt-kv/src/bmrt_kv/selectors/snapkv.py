@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from bmrt_kv.selectors.attention import attention_mass
+from bmrt_kv.selectors.attention import attention_mass, max_pool_over_time
 from bmrt_kv.selectors.base import Pool, Selector
 
 
@@ -31,9 +30,4 @@ class SnapKVSelector(Selector):
 
     def score(self, pool: Pool) -> torch.Tensor:
         mass = attention_mass(pool, last_queries=self.window)  # (b, h, P)
-        b, h, p = mass.shape
-        # The pool is sorted by position per head, so pooling along P is pooling over time.
-        pooled = F.max_pool1d(
-            mass.view(b * h, 1, p), self.kernel, stride=1, padding=self.kernel // 2
-        ).view(b, h, p)
-        return pooled.to(torch.float64)
+        return max_pool_over_time(mass, self.kernel).to(torch.float64)
