@@ -41,7 +41,9 @@ def _config(args, budget: int, selector: str) -> BMRTConfig:
         options["tie_breaker"] = args.tie_breaker
     if args.kernel is not None:
         if selector not in ("exact", "snapkv"):
-            raise ValueError(f"--kernel applies to the exact and snapkv selectors, not {selector!r}")
+            raise ValueError(
+                f"--kernel applies to the exact and snapkv selectors, not {selector!r}"
+            )
         options["kernel"] = args.kernel
     return BMRTConfig(
         budget=budget,
