@@ -142,7 +142,8 @@ def _write(name, args, argv, rows, load_start, earlier=None) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     write_result(
         name,
-        ("Multi-key" if args.multikey else "Pass-key") + " retrieval, SmolLM2-135M, greedy",
+        ("Multi-key" if args.multikey else "Pass-key")
+        + f" retrieval, SmolLM2-135M, greedy: {args.samples} samples per length",
         [
             "tokens",
             "selector",
