@@ -121,7 +121,10 @@ def main(argv=None) -> None:
             for i, sample in enumerate(samples):
                 results.append(run_sample(model, tokenizer, sample, config, args.block_size))
                 print(f"  {selector} {scoring} sample {i}: {results[-1]['output']!r}", flush=True)
-            weighted = scoring == "query_aware" and args.question_weight != 0.5
+            # snapkv scores with its observation window and ignores query weights.
+            weighted = (
+                scoring == "query_aware" and args.question_weight != 0.5 and selector != "snapkv"
+            )
             row = [
                 n_tokens,
                 selector + (f" (kernel {options['kernel']})" if options else ""),
