@@ -313,10 +313,10 @@ def run(
             descs[str(path)] = f"mutant {i} of {name} ({how}, seed {seed})"
         for start in range(0, len(paths), batch):
             chunk = paths[start : start + batch]
-            done, died, stderr = _run_batch(checker, clean_errors, chunk, timeout)
+            done, _, _ = _run_batch(checker, clean_errors, chunk, timeout)
             for path in chunk:
                 if path in done:
-                    record(*done[path][:1], descs[path], done[path][1])
+                    record(done[path][0], descs[path], done[path][1])
             rest = [p for p in chunk if p not in done]
             for path in rest:
                 one, died_one, err = _run_batch(checker, clean_errors, [path], hang_timeout)
