@@ -17,42 +17,9 @@ from pathlib import Path
 from _common import PACKAGES, ROOT, hatch
 from sync_envs import refresh
 
+from membound_testing.results import render_result
+
 START, END = "<!-- measured:start -->", "<!-- measured:end -->"
-
-
-def _cell(value) -> str:
-    # Benchmarks round their own numbers: render them as written (None: an empty cell).
-    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def render_result(result: dict, heading: str = "###") -> str:
-    m = result.get("machine", {})
-    stamp = (
-        f"{m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
-        f"{m.get('mem_gib', '?')} GiB"
-    )
-    lines = [f"{heading} {result['package']}: {result.get('title', result['benchmark'])}", ""]
-    lines.append(f"Measured {stamp} with `{result.get('command', '?')}`.")
-    lines.append("")
-    cols = result.get("columns", [])
-    if cols:
-        lines.append("| " + " | ".join(_cell(c) for c in cols) + " |")
-        lines.append("|" + "---|" * len(cols))
-        for row in result.get("rows", []):
-            lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-        lines.append("")
-    targets = result.get("targets", [])
-    if targets:
-        lines.append("| target | measured | met |")
-        lines.append("|---|---|---|")
-        for t in targets:
-            met = "yes" if t.get("met") else "**no**"
-            lines.append(f"| {_cell(t['target'])} | {_cell(t['measured'])} | {met} |")
-        lines.append("")
-    if result.get("notes"):
-        lines.append(f"Notes: {result['notes']}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def load_results(package: str) -> list[dict]:
@@ -95,6 +62,12 @@ def main() -> int:
                 failed.append(package)
 
     sections = []
+    # The headline: every row under hard memory limits (`hatch run budget` writes it;
+    # it takes ~40 minutes, so `hatch run bench` renders it but does not run it).
+    budget = ROOT / "tests-integration" / "results" / "budget.json"
+    if budget.is_file():
+        with open(budget) as f:
+            sections.append(render_result(json.load(f)))
     demo = ROOT / "tests-integration" / "results" / "demo.json"
     if not args.render_only and not args.only:
         print("\n===== demo: hatch run demo =====", flush=True)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from membound_testing import machine_info
 from moe_expert_cache import random_moe_config, write_random_moe
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,26 +45,17 @@ def bench_model(directory: Path, quick: bool) -> tuple[Path, dict]:
 def write_result(
     name: str, title: str, columns, rows, targets, notes: str, quick: bool = False
 ) -> dict:
-    result = {
-        "package": "moe-expert-cache",
-        "benchmark": name,
-        "title": title,
-        "command": COMMAND + (" --quick" if quick else ""),
-        "machine": machine_info(),
-        "columns": columns,
-        "rows": rows,
-        "targets": targets,
-        "notes": notes,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    tmp = RESULTS / f"{name}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(RESULTS / f"{name}.json")
-    print(f"\n### {title}\n")
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(str(c) for c in row) + " |")
-    for t in targets:
-        print(f"- {t['target']}: {t['measured']} -> {'met' if t['met'] else 'NOT met'}")
-    return result
+    """results/<name>.json through membound's one results writer (atomic), and its table."""
+    from membound_testing.results import write_result as write
+
+    return write(
+        RESULTS,
+        package="moe-expert-cache",
+        name=name,
+        title=title,
+        command=COMMAND + (" --quick" if quick else ""),
+        columns=columns,
+        rows=rows,
+        targets=targets,
+        notes=notes,
+    )

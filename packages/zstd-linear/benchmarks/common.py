@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -17,22 +16,17 @@ def markdown(columns: list[str], rows: list[list]) -> str:
 
 
 def write_result(name: str, title: str, columns, rows, targets, notes: str) -> dict:
-    from membound_testing import machine_info
+    """results/<name>.json through membound's one results writer (atomic), and its table."""
+    from membound_testing.results import write_result as write
 
-    result = {
-        "package": PACKAGE,
-        "benchmark": name,
-        "title": title,
-        "command": COMMAND,
-        "machine": machine_info(),
-        "columns": columns,
-        "rows": rows,
-        "targets": targets,
-        "notes": notes,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n### {title}\n\n{markdown(columns, rows)}\n")
-    for t in targets:
-        print(f"- target: {t['target']}: {t['measured']} ({'met' if t['met'] else 'NOT met'})")
-    return result
+    return write(
+        RESULTS,
+        package=PACKAGE,
+        name=name,
+        title=title,
+        command=COMMAND,
+        columns=columns,
+        rows=rows,
+        targets=targets,
+        notes=notes,
+    )

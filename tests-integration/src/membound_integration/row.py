@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
 QUESTION = "What is the capital of France?"
+ANSWER = "Paris"
 
 
 @dataclass
@@ -14,29 +16,76 @@ class Row:
 
     ``resident_bytes`` is what the bounded component (named by ``component``) holds
     with the package; ``unbounded_bytes`` what the same component holds without it.
+    ``correct`` says whether the output is the expected answer (the budget runner counts
+    a wrong answer as a failure). ``new_tokens`` and ``decode_read_bytes`` are the tokens
+    generated and the bytes read from storage while generating them.
     """
 
     name: str
     output: str
     tokens_per_s: float
+    correct: bool
     component: str = ""
     resident_bytes: int | None = None
     unbounded_bytes: int | None = None
+    new_tokens: int | None = None
+    decode_read_bytes: int | None = None
     peak_rss_bytes: int | None = None  # filled in by the demo's row process
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int = 24, **kwargs):
-    """Greedy generation of ``prompt``; returns (new text, new tokens per second)."""
+def storage_read_bytes() -> int:
+    """Bytes this process has read from storage so far: its cgroup's own counter when the
+    budget runner runs it (``MEMBOUND_IO_COUNTER``), else ``read_bytes`` of /proc/self/io."""
+    from membound_integration.budget.cgroup import read_bytes_of
+    from membound_integration.budget.runner import IO_COUNTER_ENV
+
+    counter = os.environ.get(IO_COUNTER_ENV)
+    if counter:
+        return read_bytes_of(counter)
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens_per_s: float
+    new_tokens: int
+    read_bytes: int  # from storage, during generation
+
+    def row_fields(self) -> dict:
+        """The Row fields a generation fills in."""
+        return {
+            "output": self.text,
+            "tokens_per_s": self.tokens_per_s,
+            "correct": ANSWER in self.text,
+            "new_tokens": self.new_tokens,
+            "decode_read_bytes": self.read_bytes,
+        }
+
+
+def greedy_generate(
+    model, tokenizer, prompt: str, max_new_tokens: int = 24, **kwargs
+) -> Generation:
+    """Greedy generation of ``prompt``, timed, with the bytes read from storage meanwhile."""
     import torch
 
     ids = tokenizer(prompt, return_tensors="pt")
+    read = storage_read_bytes()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     seconds = time.perf_counter() - start
+    read = storage_read_bytes() - read
     new = out[0, ids.input_ids.shape[1] :]
     text = tokenizer.decode(new, skip_special_tokens=True).strip()
-    return text, len(new) / seconds
+    return Generation(text, len(new) / seconds, len(new), read)

@@ -35,9 +35,7 @@ def combined_row() -> Row:
         model, BMRTConfig(budget=BUDGET, protection_divisor=4, block_size=BLOCK, selector="snapkv")
     )
     prompt = chat_prompt(tokenizer, QUESTION)
-    text, tps = greedy_generate(
-        model, tokenizer, prompt, past_key_values=cache, prefill_chunk_size=BLOCK
-    )
+    gen = greedy_generate(model, tokenizer, prompt, past_key_values=cache, prefill_chunk_size=BLOCK)
     stats = compression_stats(model)
     head_dim = config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
@@ -53,8 +51,7 @@ def combined_row() -> Row:
             f"combined: SparseMLP {round(FRACTION * 100)}% + zstd-linear attention "
             f"(ratio {report.ratio:.2f}) + bmrt-kv B={BUDGET} ({seen} tokens)"
         ),
-        output=text,
-        tokens_per_s=tps,
+        **gen.row_fields(),
         component="MLP rows read + attention Linear + KV",
         resident_bytes=resident,
         unbounded_bytes=mlp_bytes + report.original_bytes + seen * per_token,
@@ -62,3 +59,12 @@ def combined_row() -> Row:
 
 
 ROWS = {"combined": combined_row}
+
+
+def _attention_zlin():
+    from membound_integration.smollm2_zlin import attention_zlin_path
+
+    return attention_zlin_path()
+
+
+PREPARE = [_attention_zlin]

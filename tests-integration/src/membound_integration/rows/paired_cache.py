@@ -19,11 +19,10 @@ def paired_cache_row() -> Row:
         p.numel() * p.element_size() for layer in model.model.layers for p in layer.mlp.parameters()
     )
     mlps = sparsify_model(model, "oracle", FRACTION)
-    text, tps = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
+    gen = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
     return Row(
         name=f"SparseMLP {round(FRACTION * 100)}% rows, oracle top-k (paired-cache)",
-        output=text,
-        tokens_per_s=tps,
+        **gen.row_fields(),
         component="MLP weights read per token",
         resident_bytes=sum(m.cache.active_bytes for m in mlps),
         unbounded_bytes=full_mlp_bytes,

@@ -7,12 +7,11 @@ def plain_model() -> Row:
     from membound_testing import chat_prompt, load_smollm2
 
     model, tokenizer = load_smollm2()
-    text, tps = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
+    gen = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return Row(
         name="plain SmolLM2-135M (float32)",
-        output=text,
-        tokens_per_s=tps,
+        **gen.row_fields(),
         component="weights",
         resident_bytes=weight_bytes,
         unbounded_bytes=weight_bytes,
@@ -20,3 +19,12 @@ def plain_model() -> Row:
 
 
 ROWS = {"plain": plain_model}
+
+
+def _float_copy():
+    from membound_testing import smollm2_float_dir
+
+    return smollm2_float_dir()
+
+
+PREPARE = [_float_copy]

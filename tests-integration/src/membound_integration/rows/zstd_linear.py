@@ -14,7 +14,7 @@ def zstd_linear_model() -> Row:
 
     model, tokenizer, report = load_compressed_smollm2("per_pass_prefetch")
     reset_stats(model)
-    text, tps = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
+    gen = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
     stats = compression_stats(model)
     # The tied lm_head stays plain (it is the embedding's tensor), so it is counted on
     # neither side: the component is the compressed Linear layers' weights.
@@ -23,8 +23,7 @@ def zstd_linear_model() -> Row:
             f"zstd-linear per_pass_prefetch, {len(report.layers)} Linear from .zlin "
             f"(ratio {report.ratio:.2f}, {stats.decompressions_per_pass:.0f} decodes/pass)"
         ),
-        output=text,
-        tokens_per_s=tps,
+        **gen.row_fields(),
         component="Linear weights",
         resident_bytes=stats.peak_decoded_bytes + report.compressed_bytes,
         unbounded_bytes=report.original_bytes,
@@ -32,3 +31,12 @@ def zstd_linear_model() -> Row:
 
 
 ROWS = {"zstd_linear": zstd_linear_model}
+
+
+def _zlin():
+    from membound_integration.smollm2_zlin import compressed_smollm2_path
+
+    return compressed_smollm2_path(progress=True)
+
+
+PREPARE = [_zlin]

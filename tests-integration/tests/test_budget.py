@@ -1,0 +1,131 @@
+"""The budget runner itself: hard limits as the kernel enforces them.
+
+These need a writable memory cgroup, which CI has (it runs as root on a machine with
+cgroup v1 or v2): where none can be made, they fail with the runner's reason rather than
+skip, since the runner is what is under test.
+"""
+
+import sys
+
+import pytest
+
+from membound_integration.budget import __main__ as cli
+from membound_integration.budget import cgroup
+from membound_integration.budget.runner import bisect_min_limit, run_limited
+
+MiB = 2**20
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _alloc(mib: int) -> list[str]:
+    # Touch every page, so the memory is really charged (bytearray zero-fills it), and
+    # hold it for longer than the runner's sampling interval.
+    return _py(
+        f"import time; x = bytearray({mib} * 2**20); time.sleep(0.2); print('allocated', len(x))"
+    )
+
+
+def test_anonymous_memory_past_the_limit_is_reported_as_oom_killed():
+    result = run_limited(_alloc(300), 128 * MiB)
+    assert result.oom_killed
+    assert not result.completed
+    assert result.status == "OOM-killed"
+    assert result.peak_anon > 64 * MiB  # it got as far as filling the limit
+
+
+def test_anonymous_memory_under_the_limit_completes():
+    result = run_limited(_alloc(64), 256 * MiB)
+    assert result.completed, (result.status, result.stderr)
+    assert "allocated 67108864" in result.stdout
+    assert 64 * MiB <= result.peak_anon < 256 * MiB
+    assert result.peak_usage >= result.peak_anon  # the kernel's own peak (anon + cache)
+
+
+def test_a_mapped_file_larger_than_the_limit_is_read_under_it(tmp_path):
+    """File pages are reclaimable: the kernel evicts them and the read goes on."""
+    big = tmp_path / "weights.bin"
+    with open(big, "wb") as f:
+        for _ in range(320):
+            f.write(b"\x01" * MiB)
+    code = (
+        "import mmap, sys\n"
+        f"f = open({str(big)!r}, 'rb')\n"
+        "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+        "s = sum(m[i] for i in range(0, len(m), 4096))\n"
+        "print('sum', s)\n"
+    )
+    result = run_limited(_py(code), 128 * MiB)
+    assert result.completed, (result.status, result.stderr)
+    assert f"sum {320 * MiB // 4096}" in result.stdout
+    assert result.peak_file_mapped + result.peak_anon < 128 * MiB
+    # The page cache was dropped first, so the file came from the disk.
+    if result.cache_note is None:
+        assert result.read_bytes >= 320 * MiB
+
+
+def test_read_throttle_bounds_the_read_rate(tmp_path):
+    big = tmp_path / "data.bin"
+    big.write_bytes(b"\x02" * (48 * MiB))
+    device = cgroup.block_device_of(big)
+    code = f"import time; t = time.time(); open({str(big)!r}, 'rb').read(); print(time.time() - t)"
+    result = run_limited(_py(code), 256 * MiB, read_bps=16 * 10**6, device=device)
+    assert result.completed, (result.status, result.stderr)
+    assert result.cache_note is None, result.cache_note
+    # 48 MiB at 16 MB/s takes >= ~3 s; unthrottled it is a fraction of a second here.
+    assert float(result.stdout.split()[-1]) > 2.0
+    assert result.read_bytes >= 48 * MiB
+
+
+def test_bisection_finds_a_known_threshold_within_the_resolution():
+    calls = []
+
+    def passes(limit):
+        calls.append(limit)
+        return limit >= 300 * MiB, ""
+
+    found = bisect_min_limit(passes, 64 * MiB, 2048 * MiB)
+    assert 300 * MiB <= found.min_bytes <= 316 * MiB
+    assert calls[0] == 2048 * MiB
+    assert len(calls) <= 9
+
+
+def test_bisection_of_a_real_child_brackets_its_allocation():
+    """A child holding 192 MiB of anonymous memory needs a little more than that."""
+
+    def passes(limit):
+        result = run_limited(_alloc(192), limit, drop_cache=False)
+        return result.completed, result.status
+
+    found = bisect_min_limit(passes, 64 * MiB, 512 * MiB)
+    assert found.min_bytes is not None
+    assert 192 * MiB < found.min_bytes <= 192 * MiB + 64 * MiB, found.tries
+
+
+def test_bisection_reports_none_when_even_hi_fails():
+    found = bisect_min_limit(lambda limit: (False, "OOM-killed"), 64 * MiB, 128 * MiB)
+    assert found.min_bytes is None
+    assert "fails even at 128 MiB" in found.describe()
+
+
+def test_no_writable_cgroup_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cgroup, "V1", tmp_path / "none")
+    monkeypatch.setattr(cgroup, "V2_CANDIDATES", (tmp_path / "none",))
+    assert cli.main(["run", "--limit", "100M", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("budget: no hard limit can be set here:")
+
+
+@pytest.mark.parametrize("text,expected", [("480M", 480 * MiB), ("2G", 2 * 2**30), ("1024", 1024)])
+def test_sizes_parse(text, expected):
+    assert cli.parse_size(text) == expected
+
+
+def test_groups_are_removed_after_a_run():
+    before = {p.name for p in (cgroup.V1 / "memory").rglob("membound-budget-*")}
+    run_limited(_py("print(1)"), 64 * MiB, drop_cache=False)
+    after = {p.name for p in (cgroup.V1 / "memory").rglob("membound-budget-*")}
+    assert after <= before
