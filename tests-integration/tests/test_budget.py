@@ -129,3 +129,53 @@ def test_groups_are_removed_after_a_run():
     run_limited(_py("print(1)"), 64 * MiB, drop_cache=False)
     after = {p.name for p in (cgroup.V1 / "memory").rglob("membound-budget-*")}
     assert after <= before
+
+
+def test_a_demo_row_under_a_limit_reports_its_answer_and_its_reads():
+    from membound_integration.demo import parse_row, row_command
+
+    result = run_limited(row_command("plain", "plain"), 2048 * MiB)
+    assert result.completed, (result.status, result.stderr[-2000:])
+    row = parse_row(result.stdout)
+    assert row["correct"] and "Paris" in row["output"]
+    assert row["new_tokens"] > 0
+    assert row["decode_read_bytes"] is not None
+    # The safetensors weights are mmap'd: file-backed pages of the process, not anonymous.
+    assert result.peak_rss_file > 100 * MiB
+    assert result.peak_rss_anon < 2048 * MiB
+
+
+def _raw(tps: dict, limits: dict) -> dict:
+    raw = {}
+    for row, per_profile in tps.items():
+        raw[row] = {
+            "profiles": {
+                p: {"completed": True, "correct": True, "tokens_per_s": v}
+                for p, v in per_profile.items()
+            }
+        }
+    for row, mib in limits.items():
+        raw.setdefault(row, {"profiles": {}})["min_limit"] = {"min_limit_mib": mib}
+    return raw
+
+
+def test_targets_are_judged_from_the_measurements():
+    from membound_integration.budget.suite import _targets
+
+    raw = _raw(
+        {"plain": {"tight": 0.3, "ample": 10.0}, "zstd_linear": {"tight": 0.61, "ample": 8.0}},
+        {"plain": 400, "zstd_linear": 380, "bmrt_kv": 700, "plain_passkey": 860},
+    )
+    got = {t["target"]: t for t in _targets(raw)}
+    assert got["zstd_linear: minimum hard limit below plain's"]["met"]
+    assert got["tight: zstd_linear >= 2.0x plain tokens/s, same answer"]["met"]
+    assert not got["ample: zstd_linear >= 0.9x plain tokens/s"]["met"]  # 0.8x
+    assert got["tight: paired_cache >= 1.5x plain tokens/s, same answer"]["measured"] == (
+        "not measured"
+    )
+    assert not got["tight: paired_cache >= 1.5x plain tokens/s, same answer"]["met"]
+    bmrt = next(t for t in got.values() if t["target"].startswith("bmrt-kv"))
+    assert bmrt["met"]  # 160 MiB below
+    raw["zstd_linear"]["profiles"]["tight"]["correct"] = False  # a wrong answer never counts
+    got = {t["target"]: t for t in _targets(raw)}
+    assert not got["tight: zstd_linear >= 2.0x plain tokens/s, same answer"]["met"]

@@ -37,7 +37,8 @@ def _report(result: RunResult, expect: str | None) -> bool:
     print(
         f"{verdict}; wall {result.wall_s:.1f} s; peak anon {result.peak_anon / MiB:.1f} MiB, "
         f"file mapped {result.peak_file_mapped / MiB:.1f} MiB, page cache "
-        f"{result.peak_cache / MiB:.1f} MiB; read {result.read_bytes / MiB:.1f} MiB"
+        f"{result.peak_cache / MiB:.1f} MiB (process: RssAnon {result.peak_rss_anon / MiB:.1f}, "
+        f"RssFile {result.peak_rss_file / MiB:.1f} MiB); read {result.read_bytes / MiB:.1f} MiB"
         + (f"; {result.cache_note}" if result.cache_note else "")
     )
     return ok
@@ -128,9 +129,10 @@ def _throttle(args):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("run", "bisect", "rows", "-h", "--help"):
+        argv = ["rows", *argv]  # `hatch run budget [--rows ...]`
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["rows", *(argv if argv is not None else sys.argv[1:])])
     try:
         return {"run": cmd_run, "bisect": cmd_bisect, "rows": cmd_rows}[args.command](args)
     except CgroupUnavailable as exc:

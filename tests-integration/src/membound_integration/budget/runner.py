@@ -31,6 +31,8 @@ class RunResult:
     peak_file_mapped: int
     peak_cache: int
     peak_usage: int | None  # the kernel's own peak of charged memory, where it keeps one
+    peak_rss_anon: int  # the process's own view (/proc/PID/status RssAnon + RssShmem)
+    peak_rss_file: int  # file pages mapped by the process, wherever they are charged
     read_bytes: int  # from storage, over the whole run
     stdout: str
     stderr: str
@@ -78,14 +80,17 @@ def run_limited(
         counter = group.io_counter_path()
         if counter:
             child_env[IO_COUNTER_ENV] = counter
-        peaks = {"anon": 0, "file_mapped": 0, "cache": 0}
+        peaks = {"anon": 0, "file_mapped": 0, "cache": 0, "rss_anon": 0, "rss_file": 0}
         stop = threading.Event()
 
         def sampler() -> None:
             while True:
                 s: Sample = group.sample()
-                for key in peaks:
+                for key in ("anon", "file_mapped", "cache"):
                     peaks[key] = max(peaks[key], getattr(s, key))
+                anon, file = _proc_rss(proc.pid)
+                peaks["rss_anon"] = max(peaks["rss_anon"], anon)
+                peaks["rss_file"] = max(peaks["rss_file"], file)
                 if stop.wait(interval):
                     return
 
@@ -121,12 +126,34 @@ def run_limited(
             peak_file_mapped=max(peaks["file_mapped"], final.file_mapped),
             peak_cache=max(peaks["cache"], final.cache),
             peak_usage=group.peak_usage(),
+            peak_rss_anon=peaks["rss_anon"],
+            peak_rss_file=peaks["rss_file"],
             read_bytes=final.read,
             stdout=stdout,
             stderr=stderr,
             cache_note=note,
             cgroup_version=group.version,
         )
+
+
+def _proc_rss(pid: int) -> tuple[int, int]:
+    """(RssAnon + RssShmem, RssFile) of a live process, in bytes; zeros once it is gone.
+
+    The group's counters only see pages charged to the group: a file page that another
+    process had already read (the same weights mapped by a test session, say) stays
+    charged there and is not dropped with the page cache. RssFile counts every file page
+    the process maps, wherever it is charged."""
+    anon = file = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    anon += int(line.split()[1]) * 1024
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return anon, file
 
 
 @dataclasses.dataclass

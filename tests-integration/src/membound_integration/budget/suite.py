@@ -53,6 +53,8 @@ def _run_entry(result: RunResult, profile: Profile | None, row: dict | None) -> 
         "peak_anon_mib": round(result.peak_anon / MiB, 1),
         "peak_file_mapped_mib": round(result.peak_file_mapped / MiB, 1),
         "peak_cache_mib": round(result.peak_cache / MiB, 1),
+        "peak_rss_anon_mib": round(result.peak_rss_anon / MiB, 1),
+        "peak_rss_file_mib": round(result.peak_rss_file / MiB, 1),
         "read_mib": round(result.read_bytes / MiB, 1),
         "cache_note": result.cache_note,
         "cgroup": f"v{result.cgroup_version}",
