@@ -10,6 +10,7 @@ import torch
 from conftest import make_toy
 
 from zstd_linear import (
+    FORMAT_VERSION,
     CompressedFileError,
     compress_model,
     compressed_layers,
@@ -54,7 +55,7 @@ def test_round_trip_restores_every_layer_by_its_full_name(saved, tmp_path):
 
 def test_header_documents_names_and_frames(saved):
     h = header(saved)
-    assert h["format"] == 1
+    assert h["format"] == FORMAT_VERSION == 2
     assert [lyr["name"] for lyr in h["layers"]][:3] == [
         "blocks.0.q_proj",
         "blocks.0.up_proj",
