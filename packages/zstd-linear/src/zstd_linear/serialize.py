@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.nn as nn
 
 from zstd_linear.decoder import check_threads
@@ -13,6 +14,10 @@ from zstd_linear.layer import CompressedLinear
 from zstd_linear.model import RUNTIME_ATTR, install, report_of, runtime_of
 from zstd_linear.policies import POLICIES
 from zstd_linear.report import CompressionReport
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def save_compressed(model: nn.Module, path: str | os.PathLike) -> None:
@@ -62,7 +67,7 @@ def load_compressed(
         if target.weight.dtype != encoded.torch_dtype:
             raise CompressedFileError(
                 f"layer {name!r} of {path} has dtype {encoded.dtype}, "
-                f"the model's is {target.weight.dtype}"
+                f"the model's is {_name(target.weight.dtype)}"
             )
         if (bias is None) != (target.bias is None):
             raise CompressedFileError(
@@ -71,8 +76,8 @@ def load_compressed(
             )
         if bias is not None and bias.dtype != target.bias.dtype:
             raise CompressedFileError(
-                f"layer {name!r} of {path} has a {bias.dtype} bias, "
-                f"the model's is {target.bias.dtype}"
+                f"layer {name!r} of {path} has a {_name(bias.dtype)} bias, "
+                f"the model's is {_name(target.bias.dtype)}"
             )
         layers[name] = CompressedLinear(encoded, bias, name)
     install(model, layers, policy, threads, policy_options)
