@@ -330,3 +330,22 @@ def test_loaded_file_saves_back_byte_identical(saved, tmp_path):
     again = tmp_path / "again.zlin"
     save_compressed(fresh, again)
     assert again.read_bytes() == saved.read_bytes()
+
+
+def test_frames_that_could_not_expand_to_the_declared_shape_are_refused(tmp_path):
+    model = make_toy()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data.zero_()  # every plane a tiny zstd frame, none raw
+    compress_model(model)
+    path = tmp_path / "zeros.zlin"
+    save_compressed(model, path)
+
+    def huge(h):  # one chunk of 2**40 elements: 1 TiB per plane from a few bytes
+        h["layers"][0]["shape"] = [2**20, 2**20]
+        h["layers"][0]["chunk_elems"] = 2**40
+
+    with pytest.raises(
+        CompressedFileError, match=r"frame 0 \(chunk 0\) of \d+ bytes cannot decode"
+    ):
+        read_file(rewrite(path, tmp_path, huge))

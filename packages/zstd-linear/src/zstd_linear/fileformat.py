@@ -221,7 +221,10 @@ def _verify_weights(path, entries: list[Entry], layers: list[LayerSpec], threads
     """Decode every weight once and compare its bytes with the recorded checksum; the
     verified CRC is kept on the EncodedWeight, so a later save writes the same record."""
     largest = max((encoded.original_bytes for _, encoded, _ in entries), default=0)
-    out = torch.empty(largest, dtype=torch.uint8)  # (largest,) reused for every layer
+    try:
+        out = torch.empty(largest, dtype=torch.uint8)  # (largest,) reused for every layer
+    except (RuntimeError, MemoryError):
+        raise fail(path, None, f"cannot allocate {largest} bytes for the largest layer") from None
     decoder = Decoder(threads)
     try:
         for i, (layer, (name, encoded, bias)) in enumerate(zip(layers, entries, strict=True)):

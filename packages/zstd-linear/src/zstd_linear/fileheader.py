@@ -25,6 +25,9 @@ BIAS_KEYS = frozenset({"dtype", "offset", "length", "crc32"})
 MAX_DIM = 2**31  # per dimension of a weight: far above any Linear, far below overflow
 MAX_CHUNK_ELEMS = 2**40
 MAX_OFFSET = 2**63  # offsets and lengths; the tiling check then holds them to the file
+# A zstd frame expands at most 32768x: its densest block, RLE, takes 4 bytes (3 of
+# header, 1 of content) for at most 128 KiB.
+ZSTD_MAX_EXPANSION = 32768
 
 
 def fail(path, layer: str | None, message: str) -> CompressedFileError:
@@ -200,6 +203,13 @@ def _layer(path, index: int, obj) -> LayerSpec:
                 path,
                 name,
                 f"frame {k} (chunk {c}) is raw, so it must hold {size} bytes, not {length}",
+            )
+        if not raw and size > ZSTD_MAX_EXPANSION * length:
+            raise fail(
+                path,
+                name,
+                f"frame {k} (chunk {c}) of {length} bytes cannot decode to {size} bytes "
+                f"(a zstd frame expands at most {ZSTD_MAX_EXPANSION}x)",
             )
         specs.append(FrameSpec(offset, length, bool(raw), crc, size))
     return LayerSpec(
