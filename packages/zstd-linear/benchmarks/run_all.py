@@ -14,6 +14,7 @@ sys.path.insert(0, str(HERE))
 
 import codec  # noqa: E402
 import end_to_end  # noqa: E402
+import fuzz  # noqa: E402
 
 
 def main() -> None:
@@ -24,6 +25,8 @@ def main() -> None:
         codec.run(quick=quick)
     if not only or "end_to_end" in only:
         end_to_end.run(quick=quick, repeats=repeats)
+    if not only or "fuzz" in only:
+        fuzz.run(mutants=200 if quick else 2000, save=not quick)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 
 import pytest
 import torch
 from conftest import make_toy
+from zlin_fuzz import PREFIX, join, split
 
 from zstd_linear import (
+    FORMAT_VERSION,
     CompressedFileError,
+    DecodeError,
     compress_model,
     compressed_layers,
     load_compressed,
@@ -54,7 +58,7 @@ def test_round_trip_restores_every_layer_by_its_full_name(saved, tmp_path):
 
 def test_header_documents_names_and_frames(saved):
     h = header(saved)
-    assert h["format"] == 1
+    assert h["format"] == FORMAT_VERSION == 2
     assert [lyr["name"] for lyr in h["layers"]][:3] == [
         "blocks.0.q_proj",
         "blocks.0.up_proj",
@@ -138,3 +142,210 @@ def test_failed_write_keeps_the_old_file(saved, monkeypatch):
         save_compressed(model, saved)
     assert saved.read_bytes() == before
     assert [p.name for p in saved.parent.iterdir()] == ["toy.zlin"]
+
+
+# Issue #15: headers rewritten with their CRC recomputed, so the field checks are tested.
+
+
+def rewrite(path, tmp_path, edit) -> str:
+    """A copy of ``path`` whose header ``edit(header)`` changed (in place or returned),
+    with the header's length and CRC-32 recomputed."""
+    version, h, body = split(path.read_bytes())
+    h = edit(h) or h
+    bad = tmp_path / "crafted.zlin"
+    bad.write_bytes(join(version, h, body))
+    return bad
+
+
+def raw_header(path, tmp_path, raw: bytes) -> str:
+    version, _, body = split(path.read_bytes())
+    bad = tmp_path / "crafted.zlin"
+    bad.write_bytes(PREFIX.pack(MAGIC, version, len(raw), zlib.crc32(raw)) + raw + body)
+    return bad
+
+
+def test_swapped_layout_is_refused_not_decoded_to_another_weight(saved, tmp_path):
+    # The issue's reproducer: the frame CRCs cover the compressed bytes, so a file whose
+    # layout field alone changed decoded to a different weight without a word.
+    def edit(h):
+        h["layers"][1]["layout"] = "exponent-mantissa"  # was "exponent": same 4 planes
+
+    with pytest.raises(
+        CompressedFileError,
+        match=r"layer 'blocks.0.up_proj' in .*crafted.zlin: the decoded weight does not match",
+    ):
+        load_compressed(rewrite(saved, tmp_path, edit), make_toy())
+
+
+def test_same_size_dtype_names_and_records_that_moved_are_refused(tmp_path):
+    model = make_toy(seed=4, dtype=torch.bfloat16)
+    compress_model(model)
+    path = tmp_path / "bf16.zlin"
+    save_compressed(model, path)
+
+    def as_float16(h):
+        h["layers"][2]["dtype"] = "float16"
+
+    with pytest.raises(CompressedFileError, match=r"'blocks.0.down_proj'.*decoded weight"):
+        read_file(rewrite(path, tmp_path, as_float16))
+
+    def swap_names(h):  # two (64, 32) layers without bias
+        a, b = h["layers"][1], h["layers"][4]
+        a["name"], b["name"] = b["name"], a["name"]
+
+    with pytest.raises(CompressedFileError, match=r"'blocks.1.up_proj'.*decoded weight"):
+        read_file(rewrite(path, tmp_path, swap_names))
+
+    def swap_biases(h):
+        h["layers"][0]["bias"], h["layers"][3]["bias"] = (
+            h["layers"][3]["bias"],
+            h["layers"][0]["bias"],
+        )
+
+    with pytest.raises(
+        CompressedFileError, match=r"'blocks.0.q_proj'.*checksum mismatch in the bfloat16 bias"
+    ):
+        read_file(rewrite(path, tmp_path, swap_biases))
+
+
+def _set(*keys, value):
+    def edit(h):
+        obj = h
+        for k in keys[:-1]:
+            obj = obj[k]
+        obj[keys[-1]] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # Each of these ended in AttributeError, TypeError or OverflowError before.
+        (_set("layers", value={"a": 1}), r"field 'layers' must be a list"),
+        (_set("layers", 0, value="blocks.0.q_proj"), r"header layer 0 must be an object"),
+        (
+            _set("layers", 0, "bias", value=[1, 2]),
+            r"'blocks.0.q_proj'.*field 'bias' must be null or",
+        ),
+        (_set("layers", 0, "shape", value=[32.0, 32]), r"'blocks.0.q_proj'.*field 'shape'"),
+        (_set("layers", 0, "shape", value=[2**64, 32]), r"'blocks.0.q_proj'.*field 'shape'"),
+        (_set("layers", 0, "shape", value=[32]), r"'blocks.0.q_proj'.*field 'shape'"),
+        (_set("layers", 0, "level", value=True), r"field 'level' must be an int in 1..22"),
+        (_set("layers", 0, "chunk_elems", value=0), r"field 'chunk_elems'"),
+        (_set("layers", 0, "chunk_elems", value=1), r"must list 1024 chunks x 4 planes"),
+        (_set("layers", 0, "dtype", value=["float32"]), r"field 'dtype' must be one of"),
+        (_set("layers", 0, "dtype", value="int32"), r"field 'dtype' must be one of"),
+        (_set("layers", 0, "layout", value={}), r"field 'layout' must be one of"),
+        (_set("layers", 0, "frames", value=None), r"field 'frames' must list 1 chunks x 4 planes"),
+        (_set("layers", 0, "frames", 0, value=[0, 10]), r"frame 0 must be \[offset, length"),
+        (_set("layers", 0, "frames", 0, 2, value=True), r"frame 0 must be \[offset, length"),
+        (_set("layers", 0, "frames", 0, 0, value=-1), r"frame 0 must be \[offset, length"),
+        (_set("layers", 0, "weight_crc32", value=2**32), r"field 'weight_crc32' must be a CRC-32"),
+        (_set("layers", 0, "unknown", value=1), r"unknown \['unknown'\]"),
+        (_set("layers", 0, "name", value=7), r"header layer 0: 'name' must be a non-empty string"),
+        (_set("layers", 1, "name", value="blocks.0.q_proj"), r"the name appears twice"),
+        (_set("layers", 0, "bias", "length", value=4096), r"bias must have .*length 128"),
+        (_set("format", value="2"), r"header field 'format' must be 2"),
+        (_set("layers", 1, "frames", 0, 0, value=0), r"'blocks.0.up_proj'.*overlaps"),
+    ],
+)
+def test_crafted_header_fields_are_refused_naming_the_field(saved, tmp_path, edit, message):
+    with pytest.raises(CompressedFileError, match=message):
+        load_compressed(rewrite(saved, tmp_path, edit), make_toy())
+
+
+def test_frames_of_the_wrong_kind_or_size_are_refused(saved, tmp_path):
+    h = header(saved)
+    raw_k = next(k for k, f in enumerate(h["layers"][0]["frames"]) if f[2] == 1)
+    packed_k = next(k for k, f in enumerate(h["layers"][0]["frames"]) if f[2] == 0)
+    with pytest.raises(
+        CompressedFileError, match=rf"frame {raw_k} must decode to 1024 bytes, found no zstd"
+    ):
+        read_file(rewrite(saved, tmp_path, _set("layers", 0, "frames", raw_k, 2, value=0)))
+    with pytest.raises(
+        CompressedFileError, match=rf"frame {packed_k} \(chunk 0\) is raw, so it must hold 1024"
+    ):
+        read_file(rewrite(saved, tmp_path, _set("layers", 0, "frames", packed_k, 2, value=1)))
+
+
+def test_malformed_json_deep_nesting_and_foreign_constants_are_refused(saved, tmp_path):
+    for raw, message in [
+        (b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+        (b'{"format": 2, "format": 2, "layers": []}', "duplicate key 'format'"),
+        (b'{"format": 2, "layers": [], "x": NaN}', "NaN is not valid JSON"),
+        (b"\xff\xfe", "UnicodeDecodeError"),
+        (b"[]", "must be an object with keys format, layers"),
+    ]:
+        with pytest.raises(CompressedFileError, match=f"malformed header.*{message}|{message}"):
+            read_file(raw_header(saved, tmp_path, raw))
+
+
+def test_trailing_bytes_gaps_and_oversized_header_lengths_are_refused(saved, tmp_path):
+    raw = saved.read_bytes()
+    bad = tmp_path / "bad.zlin"
+    bad.write_bytes(raw + b"junk")
+    with pytest.raises(CompressedFileError, match="4 bytes after the last frame"):
+        read_file(bad)
+    version, h, body = split(raw)
+    h["layers"].pop(4)  # a layer in the middle: its frames are left as a gap
+    bad.write_bytes(join(version, h, body))
+    with pytest.raises(CompressedFileError, match="leaves a gap"):
+        read_file(bad)
+    for header_len in (len(raw), 2**63):
+        bad.write_bytes(raw[:12] + struct.pack("<Q", header_len) + raw[20:])
+        with pytest.raises(
+            CompressedFileError, match=f"a header of {header_len} bytes does not fit"
+        ):
+            read_file(bad)
+
+
+def test_version_1_files_are_refused_with_a_way_forward(saved, tmp_path):
+    _, h, body = split(saved.read_bytes())
+    h["format"] = 1
+    bad = tmp_path / "v1.zlin"
+    bad.write_bytes(join(1, h, body))
+    with pytest.raises(CompressedFileError, match=r"format version 1 .* re-compress the model"):
+        read_file(bad)
+
+
+def test_model_mismatches_and_decode_errors_are_the_package_error(saved):
+    assert issubclass(DecodeError, CompressedFileError) and issubclass(
+        CompressedFileError, ValueError
+    )
+    with pytest.raises(CompressedFileError, match="shape"):
+        load_compressed(saved, make_toy(dim=16))
+    other_bias = make_toy()
+    other_bias.blocks[0].q_proj.bias.data = other_bias.blocks[0].q_proj.bias.data.double()
+    with pytest.raises(
+        CompressedFileError, match=r"'blocks.0.q_proj' .* float32 bias, the model's is float64"
+    ):
+        load_compressed(saved, other_bias)
+    assert type(other_bias.blocks[0].q_proj) is torch.nn.Linear
+
+
+def test_loaded_file_saves_back_byte_identical(saved, tmp_path):
+    fresh = make_toy(seed=7)
+    load_compressed(saved, fresh)
+    again = tmp_path / "again.zlin"
+    save_compressed(fresh, again)
+    assert again.read_bytes() == saved.read_bytes()
+
+
+def test_frames_that_could_not_expand_to_the_declared_shape_are_refused(tmp_path):
+    model = make_toy()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data.zero_()  # every plane a tiny zstd frame, none raw
+    compress_model(model)
+    path = tmp_path / "zeros.zlin"
+    save_compressed(model, path)
+
+    def huge(h):  # one chunk of 2**40 elements: 1 TiB per plane from a few bytes
+        h["layers"][0]["shape"] = [2**20, 2**20]
+        h["layers"][0]["chunk_elems"] = 2**40
+
+    with pytest.raises(
+        CompressedFileError, match=r"frame 0 \(chunk 0\) of \d+ bytes cannot decode"
+    ):
+        read_file(rewrite(path, tmp_path, huge))

@@ -10,7 +10,8 @@ decompress_model(model)              # plain nn.Linear again
 from zstd_linear.__about__ import __version__
 from zstd_linear.codec import CodecConfig, EncodedWeight, Frame, encode_weight
 from zstd_linear.decoder import DecodeError, Decoder
-from zstd_linear.fileformat import FORMAT_VERSION, CompressedFileError, read_file, write_file
+from zstd_linear.errors import CompressedFileError
+from zstd_linear.fileformat import FORMAT_VERSION, read_file, write_file
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 from zstd_linear.model import (

@@ -9,6 +9,7 @@ planes of trained weights), which also makes decoding it a plain copy.
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class EncodedWeight:
 
     frames[c][p] is plane p of chunk c; chunk c covers elements
     [c * chunk_elems, min((c + 1) * chunk_elems, numel)) in row-major order.
+    crc32: zlib.crc32 of the weight's bytes (row-major, little-endian) as encoded, which
+    a decode must reproduce; None where unknown (then save_compressed decodes once).
     """
 
     dtype: str
@@ -85,6 +88,7 @@ class EncodedWeight:
     level: int
     chunk_elems: int
     frames: tuple[tuple[Frame, ...], ...]
+    crc32: int | None = None
 
     @property
     def numel(self) -> int:
@@ -181,4 +185,5 @@ def encode_weight(
         level=config.level,
         chunk_elems=chunk_elems,
         frames=tuple(chunks),
+        crc32=zlib.crc32(values),
     )

@@ -18,10 +18,11 @@ import torch
 import zstandard
 
 from zstd_linear.codec import EncodedWeight, view_weight
+from zstd_linear.errors import CompressedFileError
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 
 
-class DecodeError(ValueError):
+class DecodeError(CompressedFileError):
     """A frame did not decode to the size its chunk needs (corrupt data)."""
 
 
@@ -54,12 +55,16 @@ def _read_frame(decompressor: zstandard.ZstdDecompressor, data: bytes, out: np.n
     view = memoryview(out).cast("B")
     reader = decompressor.stream_reader(data)
     filled = 0
-    while filled < len(view):
-        n = reader.readinto(view[filled:])
-        if n == 0:
-            break
-        filled += n
-    if filled != len(view) or reader.read(1):
+    try:
+        while filled < len(view):
+            n = reader.readinto(view[filled:])
+            if n == 0:
+                break
+            filled += n
+        extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"a zstd frame does not decode: {exc}") from None
+    if filled != len(view) or extra:
         raise DecodeError(f"a zstd frame decoded to the wrong size (expected {len(view)} bytes)")
 
 

@@ -6,23 +6,32 @@ Layout (all integers little-endian)::
     version      u32       FORMAT_VERSION
     header_len   u64       bytes of the JSON header
     header_crc   u32       zlib.crc32 of the header bytes
-    header       JSON      {"format": 1, "layers": [layer, ...]}
-    data                   frames and biases, back to back
+    header       JSON      {"format": 2, "layers": [layer, ...]}
+    data                   frames and biases, back to back, nothing else
 
     layer = {"name": fully qualified module name, "dtype": "float32" | "bfloat16" |
              "float16", "shape": [out, in], "layout": LAYOUTS name, "level": int,
              "chunk_elems": int,
-             "frames": [[offset, length, raw (0/1), crc32], ...]   # chunk-major, plane-minor
-             "bias": null | {"dtype", "offset", "length", "crc32"}}
+             "frames": [[offset, length, raw (0/1), crc32], ...],  # chunk-major, plane-minor
+             "bias": null | {"dtype", "offset", "length", "crc32"},
+             "weight_crc32": record_crc32 of the decoded weight}
 
-Offsets are relative to the start of ``data``. Every size is checked against the
-file before anything is allocated, and every frame's CRC-32 before it is used, so
-a truncated or corrupted file fails with a CompressedFileError naming the layer.
-Files are written to a temporary name in the target directory and renamed.
+Offsets are relative to the start of ``data``. The header is checked field by field
+(fileheader.py) before any byte of ``data`` is read, every frame's CRC-32 (of its
+stored bytes) before it is decoded, and every weight is decoded once and its bytes
+checked against ``weight_crc32``: frame CRCs alone cover the compressed bytes, not
+the weight a layout or dtype field makes of them. ``weight_crc32`` and the bias
+``crc32`` also cover the layer's name, dtype and shape (see record_crc32). Anything
+wrong raises a CompressedFileError naming the file and the layer or field.
+
+Version 1 files (zstd-linear 0.1) carry no checksum of the decoded weights and are
+refused with a message saying to re-compress. Files are written to a temporary name
+in the target directory and renamed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -32,17 +41,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zstandard
 
 from zstd_linear.codec import EncodedWeight, Frame
-from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+from zstd_linear.decoder import DecodeError, Decoder
+from zstd_linear.errors import CompressedFileError
+from zstd_linear.fileheader import LayerSpec, fail, parse_header, record_crc32
+from zstd_linear.layout import SUPPORTED_DTYPES
 
 MAGIC = b"ZSTDLIN\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sIQI")  # magic, version, header_len, header_crc
 
-
-class CompressedFileError(ValueError):
-    """A .zlin file is truncated, corrupted, of another version, or malformed."""
+__all__ = ["FORMAT_VERSION", "MAGIC", "CompressedFileError", "read_file", "write_file"]
 
 
 Entry = tuple[str, EncodedWeight, "torch.Tensor | None"]
@@ -73,11 +84,12 @@ def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
             start, length, crc = put(
                 b.view(-1).view(torch.uint8).numpy().tobytes() if b.numel() else b""
             )
+            dtype = str(b.dtype).removeprefix("torch.")
             bias_entry = {
-                "dtype": str(b.dtype).removeprefix("torch."),
+                "dtype": dtype,
                 "offset": start,
                 "length": length,
-                "crc32": crc,
+                "crc32": record_crc32(crc, name, "bias", dtype, tuple(b.shape)),
             }
         layers.append(
             {
@@ -89,6 +101,9 @@ def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
                 "chunk_elems": encoded.chunk_elems,
                 "frames": frames,
                 "bias": bias_entry,
+                "weight_crc32": record_crc32(
+                    _weight_crc32(encoded), name, "weight", encoded.dtype, encoded.shape
+                ),
             }
         )
     header = json.dumps({"format": FORMAT_VERSION, "layers": layers}).encode()
@@ -108,125 +123,124 @@ def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
         raise
 
 
-def _fail(path, layer: str | None, message: str) -> CompressedFileError:
-    where = f"layer {layer!r} in " if layer else ""
-    return CompressedFileError(f"{where}{path}: {message}")
+def _weight_crc32(encoded: EncodedWeight) -> int:
+    if encoded.crc32 is not None:
+        return encoded.crc32
+    return zlib.crc32(Decoder(threads=1).decode(encoded).view(-1).view(torch.uint8).numpy())
 
 
-def read_file(path: str | os.PathLike) -> list[Entry]:
-    """Read and fully verify a .zlin file; returns [(name, encoded, bias or None)]."""
+def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[Entry]:
+    """Read and fully verify a .zlin file; returns [(name, encoded, bias or None)].
+
+    Every weight is decoded once (with ``threads`` threads, into one reused buffer the
+    size of the largest layer) and checked against its recorded checksum.
+    """
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
-            raise _fail(path, None, f"truncated: {size} bytes is shorter than the prefix")
+            raise fail(path, None, f"truncated: {size} bytes is shorter than the prefix")
         magic, version, header_len, header_crc = _PREFIX.unpack(prefix)
         if magic != MAGIC:
-            raise _fail(path, None, f"not a zstd-linear file (magic {magic!r})")
+            raise fail(path, None, f"not a zstd-linear file (magic {magic!r})")
+        if version == 1:
+            raise fail(
+                path,
+                None,
+                "format version 1 (zstd-linear 0.1) has no checksum of the decoded weights; "
+                f"this reader reads version {FORMAT_VERSION}: re-compress the model "
+                "(compress_model + save_compressed), or read the file with zstd-linear 0.1",
+            )
         if version != FORMAT_VERSION:
-            raise _fail(path, None, f"format version {version}, this reader reads {FORMAT_VERSION}")
+            raise fail(path, None, f"format version {version}, this reader reads {FORMAT_VERSION}")
         if header_len > size - _PREFIX.size:
-            raise _fail(path, None, f"truncated: header of {header_len} bytes does not fit")
+            raise fail(
+                path,
+                None,
+                f"truncated: a header of {header_len} bytes does not fit in {size} bytes",
+            )
         header = f.read(header_len)
         if zlib.crc32(header) != header_crc:
-            raise _fail(path, None, "header checksum mismatch (corrupted)")
+            raise fail(path, None, "header checksum mismatch (corrupted)")
         data_size = size - _PREFIX.size - header_len
-        try:
-            layers = json.loads(header)["layers"]
-        except (ValueError, KeyError) as exc:
-            raise _fail(path, None, f"malformed header: {exc}") from None
-        for layer in layers:
-            _check_sizes(path, layer, data_size)
+        layers = parse_header(path, header, version, data_size)
         data = f.read(data_size)
-    entries = []
-    for layer in layers:
-        try:
-            entries.append(_entry(path, layer, data))
-        except CompressedFileError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _fail(path, layer.get("name"), f"malformed layer entry: {exc!r}") from None
+    if len(data) != data_size:
+        raise fail(
+            path, None, f"the file changed while it was read ({len(data)} of {data_size} bytes)"
+        )
+    entries = [_entry(path, layer, data) for layer in layers]
+    _verify_weights(path, entries, layers, threads)
     return entries
 
 
-def _check_sizes(path, layer: dict, data_size: int) -> None:
-    name = layer.get("name")
-    try:
-        if layer["dtype"] not in SUPPORTED_DTYPES or layer["layout"] not in LAYOUTS:
-            raise _fail(
-                path, name, f"unknown dtype {layer['dtype']!r} or layout {layer['layout']!r}"
-            )
-        spans = [(o, n) for o, n, _, _ in layer["frames"]]
-        if layer["bias"] is not None:
-            spans.append((layer["bias"]["offset"], layer["bias"]["length"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CompressedFileError):
-            raise
-        raise _fail(path, name, f"malformed layer entry: {exc}") from None
-    for offset, length in spans:
-        if offset < 0 or length < 0 or offset + length > data_size:
-            raise _fail(
-                path,
-                name,
-                f"truncated: bytes {offset}..{offset + length} of the data "
-                f"section, which holds {data_size}",
-            )
-
-
-def _entry(path, layer: dict, data: bytes) -> Entry:
-    name = layer["name"]
-    shape = tuple(int(d) for d in layer["shape"])
-    if len(shape) != 2 or min(shape) < 0:
-        raise _fail(path, name, f"weight shape {shape} is not (out_features, in_features)")
+def _entry(path, layer: LayerSpec, data: bytes) -> Entry:
+    name = layer.name
     frames = []
-    for offset, length, raw, crc in layer["frames"]:
-        blob = data[offset : offset + length]
-        if zlib.crc32(blob) != crc:
-            raise _fail(
-                path, name, f"checksum mismatch in the frame at offset {offset} (corrupted)"
+    for k, spec in enumerate(layer.frames):
+        blob = data[spec.offset : spec.offset + spec.length]
+        if zlib.crc32(blob) != spec.crc32:
+            raise fail(
+                path, name, f"checksum mismatch in the frame at offset {spec.offset} (corrupted)"
             )
-        frames.append(Frame(blob, bool(raw)))
-    encoded_layout = LAYOUTS[layer["layout"]]
-    n_planes = encoded_layout.n_planes(layer["dtype"])
-    encoded_itemsize = SUPPORTED_DTYPES[layer["dtype"]][1].itemsize
-    chunk_elems = int(layer["chunk_elems"])
-    numel = shape[0] * shape[1]
-    n_chunks = max(1, -(-numel // chunk_elems)) if chunk_elems > 0 else -1
-    if n_chunks < 1 or len(frames) != n_chunks * n_planes:
-        raise _fail(path, name, f"{len(frames)} frames for {n_chunks} chunks x {n_planes} planes")
-    for c in range(n_chunks):
-        start = c * chunk_elems
-        plane_bytes = min(chunk_elems, numel - start) * (1 if n_planes > 1 else encoded_itemsize)
-        for frame in frames[c * n_planes : (c + 1) * n_planes]:
-            if frame.raw and len(frame.data) != plane_bytes:
-                raise _fail(
-                    path,
-                    name,
-                    f"a raw frame of chunk {c} holds {len(frame.data)} bytes, not {plane_bytes}",
-                )
+        if not spec.raw:
+            try:
+                content = zstandard.frame_content_size(blob)
+            except zstandard.ZstdError:
+                content = None
+            if content != spec.size:
+                found = "no zstd frame" if content is None else f"a zstd frame of {content} bytes"
+                raise fail(path, name, f"frame {k} must decode to {spec.size} bytes, found {found}")
+        frames.append(Frame(blob, spec.raw))
+    n_planes = layer.n_planes
     encoded = EncodedWeight(
-        dtype=layer["dtype"],
-        shape=shape,
-        layout=layer["layout"],
-        level=int(layer["level"]),
-        chunk_elems=chunk_elems,
-        frames=tuple(tuple(frames[c * n_planes : (c + 1) * n_planes]) for c in range(n_chunks)),
+        dtype=layer.dtype,
+        shape=layer.shape,
+        layout=layer.layout,
+        level=layer.level,
+        chunk_elems=layer.chunk_elems,
+        frames=tuple(tuple(frames[c : c + n_planes]) for c in range(0, len(frames), n_planes)),
     )
     bias = None
-    if layer["bias"] is not None:
-        b = layer["bias"]
-        blob = data[b["offset"] : b["offset"] + b["length"]]
-        if zlib.crc32(blob) != b["crc32"]:
-            raise _fail(path, name, "checksum mismatch in the bias (corrupted)")
-        kind = SUPPORTED_DTYPES.get(b["dtype"])
-        if kind is None or len(blob) != shape[0] * kind[1].itemsize:
-            raise _fail(
-                path, name, f"bias of {len(blob)} bytes / {b['dtype']} for {shape[0]} outputs"
-            )
+    if layer.bias is not None:
+        b = layer.bias
+        blob = data[b.offset : b.offset + b.length]
+        if record_crc32(zlib.crc32(blob), name, "bias", b.dtype, layer.shape[:1]) != b.crc32:
+            raise fail(path, name, f"checksum mismatch in the {b.dtype} bias (corrupted)")
+        torch_dtype = SUPPORTED_DTYPES[b.dtype][0]
         bias = (
-            torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()).view(kind[0])
+            torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()).view(torch_dtype)
             if blob
-            else torch.empty(0, dtype=kind[0])
+            else torch.empty(0, dtype=torch_dtype)
         )
     return name, encoded, bias
+
+
+def _verify_weights(path, entries: list[Entry], layers: list[LayerSpec], threads) -> None:
+    """Decode every weight once and compare its bytes with the recorded checksum; the
+    verified CRC is kept on the EncodedWeight, so a later save writes the same record."""
+    largest = max((encoded.original_bytes for _, encoded, _ in entries), default=0)
+    try:
+        out = torch.empty(largest, dtype=torch.uint8)  # (largest,) reused for every layer
+    except (RuntimeError, MemoryError):
+        raise fail(path, None, f"cannot allocate {largest} bytes for the largest layer") from None
+    decoder = Decoder(threads)
+    try:
+        for i, (layer, (name, encoded, bias)) in enumerate(zip(layers, entries, strict=True)):
+            buf = out[: encoded.original_bytes]
+            try:
+                decoder.decode_into(encoded, buf)
+            except DecodeError as exc:
+                raise fail(path, name, str(exc)) from None
+            crc = zlib.crc32(buf.numpy())
+            if record_crc32(crc, name, "weight", layer.dtype, layer.shape) != layer.weight_crc32:
+                raise fail(
+                    path,
+                    name,
+                    "the decoded weight does not match its checksum (a frame, the layout, "
+                    "dtype, shape or name differs from what was written)",
+                )
+            entries[i] = (name, dataclasses.replace(encoded, crc32=crc), bias)
+    finally:
+        decoder.close()
