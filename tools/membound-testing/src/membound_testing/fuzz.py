@@ -43,7 +43,7 @@ CLASSES = ("clean", "unclear", "crash", "hang", "silent", "benign")
 BAD = ("unclear", "crash", "hang", "silent")
 
 # Values a JSON field is rewritten to: out of range, of the wrong type, or absurdly large.
-_ODD_VALUES = [
+ODD_VALUES = [
     0,
     -1,
     1,
@@ -83,7 +83,7 @@ def mutate_json(obj, rng: random.Random):
     obj = json.loads(json.dumps(obj))
     leaves = [p for p, _ in _leaves(obj) if p]
     if not leaves:
-        return _ODD_VALUES[rng.randrange(len(_ODD_VALUES))]
+        return ODD_VALUES[rng.randrange(len(ODD_VALUES))]
     path = leaves[rng.randrange(len(leaves))]
     parent = obj
     for key in path[:-1]:
@@ -99,7 +99,7 @@ def mutate_json(obj, rng: random.Random):
     elif roll < 0.4 and isinstance(parent[key], list) and parent[key]:
         parent[key] = parent[key][::-1] if rng.random() < 0.5 else parent[key][:-1]
     else:
-        parent[key] = _ODD_VALUES[rng.randrange(len(_ODD_VALUES))]
+        parent[key] = ODD_VALUES[rng.randrange(len(ODD_VALUES))]
     return obj
 
 
