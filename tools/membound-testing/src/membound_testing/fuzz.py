@@ -156,12 +156,16 @@ class Target:
     """One file to damage. ``root`` is a file, or a directory whose file ``relpath`` is
     damaged (the checker gets the mutant directory). ``structured`` is a mutation that
     knows the format (``mutate_json_bytes``, ``mutate_safetensors_header``, or one of the
-    package's own); it is used for about half of the mutants."""
+    package's own); it is used for a ``structured_share`` of the mutants (half by default,
+    the rest byte-level). A file that only carries a test's arguments (a JSON of config
+    fields, say), which the package never parses itself, takes ``structured_share=1.0``:
+    a truncated JSON there would test the harness, not the package."""
 
     root: Path
     relpath: str | None = None
     structured: object = None
     header_bytes: int = 64
+    structured_share: float = 0.5
 
     def data(self) -> bytes:
         path = self.root / self.relpath if self.relpath else self.root
@@ -299,7 +303,7 @@ def run(
         for i in range(n):
             k = i % len(targets)
             target, data = targets[k], originals[k]
-            if target.structured is not None and rng.random() < 0.5:
+            if target.structured is not None and rng.random() < target.structured_share:
                 mutant = target.structured(data, rng)
                 how = f"structured({getattr(target.structured, '__name__', '?')})"
             else:
