@@ -29,14 +29,14 @@ from membound_testing.results import write_result  # noqa: E402
 COLUMNS = ["loader", "mutants", "clean", "unclear", "crash", "hang", "silent", "benign", "s"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mutants", type=int, default=2000, help="mutants per loader")
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument(
         "--quick", action="store_true", help="400 mutants, results not saved (run_all --quick)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.mutants = 400
     # The worker processes import the checker from the tests directory.
@@ -91,8 +91,8 @@ def main() -> None:
             "stream through a real BMRTCache on a tiny Llama within its budget."
         ),
     )
-    sys.exit(1 if report.bad else 0)
+    return 1 if report.bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
