@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["selection_time.py", "passkey.py", "stream_rss.py"]
+BENCHMARKS = ["selection_time.py", "passkey.py", "stream_rss.py", "fuzz.py"]
 
 
 def main() -> None:

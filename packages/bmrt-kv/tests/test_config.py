@@ -1,8 +1,10 @@
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmrt_kv import SELECTORS, TIE_BREAKERS, BMRTConfig
+from bmrt_kv import SELECTORS, TIE_BREAKERS, BMRTCache, BMRTConfig, BMRTError
+from bmrt_kv.config import MAX_SEED
 
 
 def test_defaults_split_the_budget():
@@ -83,3 +85,110 @@ def test_bad_selector_options(selector, options, name):
 def test_question_weight_outside_zero_one_is_rejected(weight):
     with pytest.raises(ValueError, match="question_weight"):
         BMRTConfig(scoring="query_aware", question_weight=weight)
+
+
+# Issue #15: every field rejects wrong types and out-of-range values at construction, with
+# BMRTError naming the field; nothing is coerced (True is not 1, 1.0 is not 1).
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seed", -1),
+        ("seed", 2**64),
+        ("seed", float("nan")),
+        ("seed", 1.5),
+        ("seed", "x"),
+        ("seed", True),
+        ("seed", 2**32),
+        ("block_size", True),
+        ("block_size", 1.0),
+        ("block_size", 2**31),
+        ("budget", True),
+        ("budget", 1024.0),
+        ("budget", 2**64),
+        ("budget", float("inf")),
+        ("protection_divisor", True),
+        ("protection_divisor", 8.0),
+        ("question_weight", float("inf")),
+        ("question_weight", 10**400),
+        ("question_weight", None),
+        ("selector", []),
+        ("selector", None),
+        ("selector_options", []),
+        ("selector_options", None),
+        ("scoring", {}),
+        ("positions", ["absolute"]),
+        ("granularity", 0),
+    ],
+)
+def test_bad_field_is_a_bmrt_error_naming_the_field(field, value):
+    with pytest.raises(BMRTError, match=rf"BMRTConfig\.{field}"):
+        BMRTConfig(**{field: value})
+
+
+def test_seed_bounds_are_accepted_and_run_mid_stream(llama):
+    # The largest seed must not fail later, when the layers seed their hash planes.
+    for seed in (0, MAX_SEED):
+        config = BMRTConfig(
+            budget=12, protection_divisor=3, block_size=4, selector="lsh", seed=seed
+        )
+        cache = BMRTCache(llama, config)
+        ids = torch.arange(20).view(1, 20) % 90
+        with torch.no_grad():
+            for block in ids.split(4, -1):
+                llama(input_ids=block, past_key_values=cache)
+        assert cache.stored_tokens == [12, 12]
+
+
+def test_question_weight_one_as_int_is_stored_as_float():
+    config = BMRTConfig(scoring="query_aware", question_weight=1)
+    assert config.question_weight == 1.0 and type(config.question_weight) is float
+
+
+@pytest.mark.parametrize(
+    ("selector", "options", "match"),
+    [
+        ("exact", {"kernel": True}, r"selector 'exact' option 'kernel' must be an odd int"),
+        ("exact", {"kernel": 3.0}, r"selector 'exact' option 'kernel'"),
+        ("exact", {"kernel": 2**40 + 1}, r"selector 'exact' option 'kernel'"),
+        ("snapkv", {"window": True}, r"selector 'snapkv' option 'window'"),
+        ("snapkv", {"window": 2**64}, r"selector 'snapkv' option 'window'"),
+        ("lsh", {"tables": True}, r"selector 'lsh' option 'tables'"),
+        ("lsh", {"tables": 2**40}, r"selector 'lsh' option 'tables'"),
+        ("lsh", {"bits": True}, r"selector 'lsh' option 'bits'"),
+        ("lsh", {"tie_breaker": []}, r"selector 'lsh' option 'tie_breaker'"),
+        ("magicpig", {"tables": 256}, r"selector 'magicpig' option 'tables'.*\[1, 255\]"),
+        ("hybrid", {"ratio": True}, r"selector 'hybrid' option 'ratio'"),
+        ("hybrid", {"ratio": float("nan")}, r"selector 'hybrid' option 'ratio'"),
+        ("hybrid", {"primary": []}, r"selector 'hybrid' option 'primary'"),
+        ("hybrid", {"primary_options": []}, r"'primary_options' must be a dict or None"),
+        ("hybrid", {"secondary_options": ""}, r"'secondary_options' must be a dict or None"),
+        (
+            "hybrid",
+            {"secondary_options": {"tables": 0}},
+            r"'hybrid' option 'secondary_options': selector 'lsh' option 'tables'",
+        ),
+        ("h2o", {"kernel": 3}, r"selector_options of 'h2o': unknown option 'kernel'"),
+        ("lsh", {"seed": 3}, r"selector_options of 'lsh': unknown option 'seed'"),
+        ("lsh", {1: 3}, r"selector_options of 'lsh': unknown option 1"),
+    ],
+)
+def test_bad_selector_option_names_selector_and_option(selector, options, match):
+    with pytest.raises(BMRTError, match=match):
+        BMRTConfig(selector=selector, selector_options=options)
+
+
+def test_from_dict_rejects_unknown_fields():
+    assert BMRTConfig.from_dict({"budget": 64, "seed": 3}) == BMRTConfig(budget=64, seed=3)
+    with pytest.raises(BMRTError, match=r"unknown BMRTConfig fields \['budjet'\]"):
+        BMRTConfig.from_dict({"budjet": 64})
+    with pytest.raises(BMRTError, match=r"needs a dict"):
+        BMRTConfig.from_dict([("budget", 64)])
+
+
+def test_cache_revalidates_a_config_changed_after_construction(llama):
+    config = BMRTConfig(selector="lsh")
+    config.seed = -1
+    with pytest.raises(BMRTError, match=r"BMRTConfig\.seed"):
+        BMRTCache(llama, config)
+    with pytest.raises(BMRTError, match=r"config must be a BMRTConfig"):
+        BMRTCache(llama, {"budget": 64})

@@ -11,6 +11,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import fuzz  # noqa: E402
 import quality  # noqa: E402
 import update_bench  # noqa: E402
 
@@ -19,6 +20,7 @@ def main() -> None:
     quick = "--quick" in sys.argv
     update_bench.main(quick)
     quality.main(quick)
+    fuzz.main(["--quick"] if quick else [])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_weights
 
-from paired_cache import CacheConfig, CacheInvariantError, PairedCache
+from paired_cache import CacheConfig, CacheInvariantError, PairedCache, PairedCacheError
 from paired_cache.config import ENV_GRAIN, ENV_PAR_THRESHOLD, ENV_TAU
 
 N, H = 12, 4
@@ -123,8 +123,8 @@ def test_bad_init_mask_is_rejected_before_allocation():
     [
         ({"hybrid_tau": -0.1}, r"hybrid_tau must be a number >= 0"),
         ({"hybrid_tau": float("nan")}, r"hybrid_tau must be a number >= 0"),
-        ({"grain": 0}, r"grain must be >= 1, got 0"),
-        ({"par_threshold": -1}, r"par_threshold must be >= 0, got -1"),
+        ({"grain": 0}, r"grain must be in \[1, 2147483647\], got 0"),
+        ({"par_threshold": -1}, r"par_threshold must be in \[0, 9223372036854775807\], got -1"),
         ({"num_threads": 0}, r"num_threads must be in \[1, 64\], got 0"),
         ({"num_threads": 65}, r"num_threads must be in \[1, 64\], got 65"),
         ({"grain": 2.0}, r"grain must be an int, got 2.0"),
@@ -161,3 +161,99 @@ def test_check_valid_reports_a_corrupted_row(cache):
     cache.gate_up()[1, 0] += 1.0  # the view aliases the C buffer
     with pytest.raises(CacheInvariantError, match=r"position 1 differs from pool row"):
         cache.check_valid()
+
+
+# Issue #15: every argument is checked before the C core sees it; PairedCacheError names it.
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"grain": 2**64}, r"grain must be in \[1, 2147483647\], got 18446744073709551616"),
+        ({"grain": 2**31}, r"grain must be in \[1, 2147483647\]"),
+        ({"grain": True}, r"grain must be an int, got True"),
+        ({"par_threshold": 2**63}, r"par_threshold must be in \[0, 9223372036854775807\]"),
+        ({"par_threshold": float("inf")}, r"par_threshold must be an int, got inf"),
+        ({"num_threads": False}, r"num_threads must be an int, got False"),
+        ({"num_threads": "4"}, r"num_threads must be an int, got '4'"),
+        ({"hybrid_tau": True}, r"hybrid_tau must be a number >= 0"),
+        ({"hybrid_tau": "1.8"}, r"hybrid_tau must be a number >= 0"),
+        ({"hybrid_tau": 10**400}, r"does not fit a double; use math.inf"),
+    ],
+)
+def test_out_of_range_config_is_a_paired_cache_error(kwargs, match):
+    with pytest.raises(PairedCacheError, match=match):
+        CacheConfig(**kwargs)
+
+
+def test_infinite_and_huge_int_tau_are_accepted():
+    assert CacheConfig(hybrid_tau=float("inf")).hybrid_tau == float("inf")
+    assert CacheConfig(hybrid_tau=2**64).hybrid_tau == float(2**64)
+
+
+def test_config_changed_after_construction_is_rejected_before_the_core():
+    # The issue's reproducer: grain=2**64 used to overflow inside cffi.
+    gate, up, down = make_weights(N, H)
+    config = CacheConfig()
+    config.grain = 2**64
+    with pytest.raises(PairedCacheError, match=r"grain must be in \[1, 2147483647\]"):
+        PairedCache(up, down, gate, config=config)
+
+
+def test_the_cache_keeps_its_own_copy_of_the_config():
+    gate, up, down = make_weights(N, H)
+    config = CacheConfig(grain=4)
+    c = PairedCache(up, down, gate, config=config)
+    config.grain = 2**64
+    assert c.config.grain == 4 and c.config is not config
+    mask = torch.zeros(N, dtype=torch.bool)
+    mask[:5] = True
+    c.update(mask)
+    c.check_valid()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda g, u, d: (g, u[:0], d[:, :0]), r"up has shape \(0, 4\); every dimension"),
+        (lambda g, u, d: (g[:, :0], u, d), r"gate has shape \(12, 0\); every dimension"),
+        (lambda g, u, d: (g, u[:, :0], d), r"up has shape \(12, 0\); every dimension"),
+        (lambda g, u, d: (g, u, d[:0]), r"down has shape \(0, 12\); every dimension"),
+        (lambda g, u, d: (g, u.to_sparse(), d), r"up must be a dense \(strided\) tensor"),
+        (lambda g, u, d: (g, u, d.to("meta")), r"down must be on the CPU, got device meta"),
+        (lambda g, u, d: (7, u, d), r"gate must be a torch.Tensor, got int"),
+    ],
+)
+def test_degenerate_weights_are_rejected(change, match):
+    gate, up, down = change(*make_weights(N, H))
+    with pytest.raises(PairedCacheError, match=match):
+        PairedCache(up, down, gate)
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        (torch.zeros(N, dtype=torch.bool).to_sparse(), r"dense \(strided\) tensor"),
+        (torch.zeros(N, dtype=torch.bool, device="meta"), r"on the CPU, got device meta"),
+        (torch.tensor(True), r"shape \(\), expected \(12,\)"),
+        (None, r"bool torch.Tensor, got NoneType"),
+        (np.zeros((2, N), dtype=bool), r"shape \(2, 12\), expected \(12,\)"),
+    ],
+)
+def test_more_bad_masks_are_rejected_and_cache_unchanged(cache, mask, match):
+    before = snapshot(cache)
+    with pytest.raises(PairedCacheError, match=match):
+        cache.update(mask)
+    assert_unchanged(cache, before)
+
+
+def test_init_mask_over_capacity_is_rejected_before_allocation():
+    gate, up, down = make_weights(N, H)
+    with pytest.raises(PairedCacheError, match=r"init_mask selects 12 rows but capacity is 3"):
+        PairedCache(up, down, gate, capacity=3, init_mask=torch.ones(N, dtype=torch.bool))
+
+
+def test_weights_that_require_grad_are_copied_as_data():
+    gate, up, down = (t.requires_grad_() for t in make_weights(N, H))
+    c = PairedCache(up, down, gate, init_mask=torch.ones(N, dtype=torch.bool))
+    assert not c.gate_up().requires_grad
+    assert torch.equal(c.gate_up(), torch.cat([gate, up], 1).detach())
+    c.check_valid()

@@ -3,6 +3,7 @@
 from bmrt_kv.__about__ import __version__
 from bmrt_kv.cache import BMRTCache
 from bmrt_kv.config import BMRTConfig
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.hooks import detach
 from bmrt_kv.selectors import SELECTORS, TIE_BREAKERS, Pool, Selector, make_selector
 
@@ -11,6 +12,7 @@ __all__ = [
     "TIE_BREAKERS",
     "BMRTCache",
     "BMRTConfig",
+    "BMRTError",
     "Pool",
     "Selector",
     "__version__",

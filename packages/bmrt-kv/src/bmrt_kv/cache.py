@@ -9,6 +9,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from bmrt_kv.config import BMRTConfig
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.hooks import attach
 from bmrt_kv.layer import BMRTLayer
 from bmrt_kv.selectors import make_selector
@@ -34,15 +35,18 @@ class BMRTCache(Cache):
     """
 
     def __init__(self, model: nn.Module, config: BMRTConfig | None = None, **overrides):
-        config = config or BMRTConfig()
-        if overrides:
-            config = replace(config, **overrides)
+        config = BMRTConfig() if config is None else config
+        if not isinstance(config, BMRTConfig):
+            raise BMRTError(f"config must be a BMRTConfig, got {type(config).__name__}")
+        # replace() runs the checks again: a config changed since it was built (or an
+        # override) is validated before any layer exists.
+        config = replace(config, **overrides)
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None)
         if "sliding_attention" in (layer_types or []) or (
             layer_types is None and getattr(text_config, "sliding_window", None) is not None
         ):
-            raise ValueError(
+            raise BMRTError(
                 "model has sliding-window attention layers; BMRTCache supports full "
                 "attention only (set use_sliding_window=False / sliding_window=None)"
             )
@@ -91,7 +95,7 @@ class BMRTCache(Cache):
 def _inv_freq(model: nn.Module) -> torch.Tensor:
     rotary = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
     if not rotary or not hasattr(rotary[0], "inv_freq"):
-        raise ValueError(
+        raise BMRTError(
             "positions='rerotate' needs the model's rotary embedding (a rotary_emb module "
             "with inv_freq); this model has none"
         )

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from bmrt_kv.config import GRANULARITIES, POSITION_MODES, SCORING_MODES, BMRTConfig
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.selectors import SELECTORS, TIE_BREAKERS
 
 
@@ -37,13 +38,11 @@ def _config(args, budget: int, selector: str) -> BMRTConfig:
     options = {}
     if args.tie_breaker is not None:
         if selector != "lsh":
-            raise ValueError(f"--tie-breaker applies to the lsh selector, not {selector!r}")
+            raise BMRTError(f"--tie-breaker applies to the lsh selector, not {selector!r}")
         options["tie_breaker"] = args.tie_breaker
     if args.kernel is not None:
         if selector not in ("exact", "snapkv"):
-            raise ValueError(
-                f"--kernel applies to the exact and snapkv selectors, not {selector!r}"
-            )
+            raise BMRTError(f"--kernel applies to the exact and snapkv selectors, not {selector!r}")
         options["kernel"] = args.kernel
     return BMRTConfig(
         budget=budget,

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from bmrt_kv.errors import MAX_TOKENS, BMRTError, check_choice, check_fraction, check_int
 
 SCORING_MODES = ("agnostic", "query_aware")
 POSITION_MODES = ("absolute", "rerotate")
 GRANULARITIES = ("head", "layer")
+#: Largest BMRTConfig.seed: layer i seeds its selector with seed * 100_003 + i, which must
+#: stay a valid torch seed.
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -35,7 +40,12 @@ class BMRTConfig:
             (kept keys are re-rotated to contiguous positions just before the next query).
         granularity: ``"head"`` (each KV head selects its own tokens) or ``"layer"``
             (one shared index for all KV heads of a layer, scores summed over heads).
-        seed: seeds the selectors' random projections (LSH), one generator per layer.
+        seed: seeds the selectors' random projections (LSH), one generator per layer; an
+            int in [0, 2**32 - 1].
+
+    Every field is checked at construction (types included: ``True`` is not an int here,
+    ``1.0`` is not a block size); a bad value raises :class:`~bmrt_kv.BMRTError` naming
+    the field and its allowed range. Token counts are at most ``2**31 - 1``.
     """
 
     budget: int = 1024
@@ -52,38 +62,43 @@ class BMRTConfig:
     def __post_init__(self) -> None:
         from bmrt_kv.selectors import SELECTORS, make_selector
 
-        if not isinstance(self.protection_divisor, int) or self.protection_divisor < 3:
-            raise ValueError(
-                f"protection_divisor must be an int >= 3, got {self.protection_divisor!r}"
-            )
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
-        if not isinstance(self.budget, int) or self.budget < 1:
-            raise ValueError(f"budget must be a positive int, got {self.budget!r}")
+        check_int("BMRTConfig.budget", self.budget, 1, MAX_TOKENS)
+        check_int("BMRTConfig.protection_divisor", self.protection_divisor, 3, MAX_TOKENS)
+        check_int("BMRTConfig.block_size", self.block_size, 1, MAX_TOKENS)
         if self.n_anchor < 1 or self.n_memory < 1:
-            raise ValueError(
-                f"budget={self.budget} is too small for protection_divisor="
+            raise BMRTError(
+                f"BMRTConfig.budget={self.budget} is too small for protection_divisor="
                 f"{self.protection_divisor}: it must hold at least one anchor, one window "
                 f"token and one memory slot (budget >= {2 * self.protection_divisor - 1} "
                 "with at least one memory slot left after 2 * budget // protection_divisor)"
             )
-        if (
-            isinstance(self.question_weight, bool)
-            or not isinstance(self.question_weight, (int, float))
-            or not 0.0 < self.question_weight <= 1.0
-        ):
-            raise ValueError(f"question_weight must be in (0, 1], got {self.question_weight!r}")
-        if self.selector not in SELECTORS:
-            raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {self.selector!r}")
-        for name, value, allowed in (
-            ("scoring", self.scoring, SCORING_MODES),
-            ("positions", self.positions, POSITION_MODES),
-            ("granularity", self.granularity, GRANULARITIES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_choice("BMRTConfig.selector", self.selector, SELECTORS)
+        if not isinstance(self.selector_options, dict):
+            raise BMRTError(
+                "BMRTConfig.selector_options must be a dict of the selector's options, got "
+                f"{self.selector_options!r}"
+            )
+        check_choice("BMRTConfig.scoring", self.scoring, SCORING_MODES)
+        self.question_weight = check_fraction(
+            "BMRTConfig.question_weight", self.question_weight, low_open=True
+        )
+        check_choice("BMRTConfig.positions", self.positions, POSITION_MODES)
+        check_choice("BMRTConfig.granularity", self.granularity, GRANULARITIES)
+        check_int("BMRTConfig.seed", self.seed, 0, MAX_SEED)
         # Build once so that bad selector options fail here, not mid-stream.
-        make_selector(self.selector, self.selector_options)
+        make_selector(self.selector, self.selector_options, seed=self.seed)
+
+    @classmethod
+    def from_dict(cls, data) -> BMRTConfig:
+        """A config from a mapping of field names (e.g. parsed JSON); unknown keys are an
+        error, not ignored, so a misspelt field cannot fall back to its default unseen."""
+        if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+            raise BMRTError(f"a BMRTConfig needs a dict of field names, got {data!r:.80}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise BMRTError(f"unknown BMRTConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
 
     @property
     def n_anchor(self) -> int:

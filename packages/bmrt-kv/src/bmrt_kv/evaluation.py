@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from bmrt_kv.config import BMRTConfig
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.stream import BoundedStream
 
 FILLER = (
@@ -35,7 +36,7 @@ class Sample:
 def passkey_sample(tokenizer, n_tokens: int, key: int, depth: float) -> Sample:
     """Filler of about ``n_tokens`` tokens with the key line at ``depth`` in [0, 1]."""
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
+        raise BMRTError(f"depth must be in [0, 1], got {depth}")
     n_filler = max(1, n_tokens // len(tokenizer(FILLER, add_special_tokens=False).input_ids))
     at = round(n_filler * depth)
     line = f"The pass key is {key}. Remember it. {key} is the pass key. "
@@ -46,7 +47,7 @@ def passkey_sample(tokenizer, n_tokens: int, key: int, depth: float) -> Sample:
 def multikey_sample(tokenizer, n_tokens: int, keys: dict[str, int], ask: str, rng) -> Sample:
     """Several "The pass key of NAME is N." lines at random depths; ask for one name."""
     if ask not in keys:
-        raise ValueError(f"ask must be one of {sorted(keys)}, got {ask!r}")
+        raise BMRTError(f"ask must be one of {sorted(keys)}, got {ask!r}")
     n_filler = max(1, n_tokens // len(tokenizer(FILLER, add_special_tokens=False).input_ids))
     slots = sorted(rng.sample(range(n_filler + 1), len(keys)))
     parts, last = [], 0

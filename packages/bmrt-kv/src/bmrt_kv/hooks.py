@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.rope import apply_rope
 
 _HANDLES = "_bmrt_kv_hook_handles"
@@ -37,7 +38,7 @@ def attach(model: nn.Module, cache_type: type) -> None:
         return
     modules = attention_modules(model)
     if not modules:
-        raise ValueError(
+        raise BMRTError(
             f"{type(model).__name__} has no attention modules with q_proj and layer_idx "
             "(supported: Llama, Mistral, Qwen2, Qwen3 families)"
         )

@@ -7,6 +7,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from bmrt_kv.compress import keep_indices, protected_mask
 from bmrt_kv.config import BMRTConfig
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.rope import rerotate
 from bmrt_kv.selectors import Pool, Selector
 from bmrt_kv.selectors.attention import attention_mass
@@ -69,7 +70,7 @@ class BMRTLayer(CacheLayerMixin):
                 "the previous forward was not finished; was the model passed to BMRTCache?"
             )
         if self.stored + n_new > limit:
-            raise ValueError(
+            raise BMRTError(
                 f"a block of {n_new} tokens on top of {self.stored} cached exceeds "
                 f"budget + block_size = {limit}; feed at most block_size="
                 f"{self.config.block_size} tokens per forward (generate(..., "

@@ -10,6 +10,7 @@ from torch import nn
 
 from bmrt_kv.cache import BMRTCache
 from bmrt_kv.config import BMRTConfig
+from bmrt_kv.errors import BMRTError
 
 
 @dataclass
@@ -70,10 +71,10 @@ class BoundedStream:
         if self.config.scoring == "agnostic":
             return None
         if question is None:
-            raise ValueError("scoring='query_aware' needs question=<text or token ids>")
+            raise BMRTError("scoring='query_aware' needs question=<text or token ids>")
         ids = self._encode(question, special=False)
         if not 0 < ids.shape[-1] < self.config.block_size:
-            raise ValueError(
+            raise BMRTError(
                 f"the question has {ids.shape[-1]} tokens; query-aware scoring needs "
                 f"1 <= tokens < block_size={self.config.block_size}"
             )
@@ -82,7 +83,7 @@ class BoundedStream:
     def _encode(self, data, special: bool) -> torch.Tensor:
         if isinstance(data, str):
             if self.tokenizer is None:
-                raise ValueError("text input needs a tokenizer; pass tokenizer= or token ids")
+                raise BMRTError("text input needs a tokenizer; pass tokenizer= or token ids")
             ids = self.tokenizer(data, add_special_tokens=special).input_ids
         elif isinstance(data, torch.Tensor):
             ids = data.reshape(-1).tolist()
@@ -130,13 +131,17 @@ class BoundedStream:
         Decoding stops at the tokenizer's EOS token; every step compresses again once
         the cache would pass the budget.
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
+            raise BMRTError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if prompt is not None:
             self.feed(prompt)
         self._flush_pending()
         if self._next_logits is None:
-            raise ValueError("nothing to continue from: feed() some input first")
+            raise BMRTError("nothing to continue from: feed() some input first")
         eos = getattr(self.tokenizer, "eos_token_id", None)
         new: list[int] = []
         start = time.perf_counter()
@@ -165,7 +170,7 @@ class BoundedStream:
     def ask(self, question: str, max_new_tokens: int = 32) -> str:
         """Feed ``question`` and return the decoded greedy answer."""
         if self.tokenizer is None:
-            raise ValueError("ask() needs a tokenizer")
+            raise BMRTError("ask() needs a tokenizer")
         new = self.generate(question, max_new_tokens)
         return self.tokenizer.decode(new, skip_special_tokens=True).strip()
 

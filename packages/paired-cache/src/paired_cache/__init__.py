@@ -10,6 +10,7 @@ from paired_cache.cache import (
     UpdateInfo,
 )
 from paired_cache.config import CacheConfig
+from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import (
     MASK_SOURCES,
     FixedMask,
@@ -30,6 +31,7 @@ __all__ = [
     "MaskSource",
     "OracleTopK",
     "PairedCache",
+    "PairedCacheError",
     "SparseMLP",
     "UpdateInfo",
     "__version__",

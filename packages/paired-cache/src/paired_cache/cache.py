@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -9,7 +10,8 @@ import numpy as np
 import torch
 
 from paired_cache._core import ERROR_NAMES, ffi, lib
-from paired_cache.config import CacheConfig
+from paired_cache.config import MAX_ROWS, CacheConfig
+from paired_cache.errors import PairedCacheError
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -41,20 +43,26 @@ class UpdateInfo:
 
 def _check_weight(name: str, t, shape: tuple[int | None, ...], dtype) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise PairedCacheError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise PairedCacheError(f"{name} must be a dense (strided) tensor, got {t.layout}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+        raise PairedCacheError(f"{name} must be on the CPU, got device {t.device}")
     if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; supported: {SUPPORTED_DTYPES}")
+        raise PairedCacheError(f"{name} has dtype {t.dtype}; supported: {SUPPORTED_DTYPES}")
     if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} has dtype {t.dtype} but up has {dtype}")
+        raise PairedCacheError(f"{name} has dtype {t.dtype} but up has {dtype}")
     if t.dim() != len(shape) or any(
         w is not None and s != w for s, w in zip(t.shape, shape, strict=True)
     ):
         want = "x".join("?" if w is None else str(w) for w in shape)
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{want}]")
+        raise PairedCacheError(f"{name} has shape {tuple(t.shape)}, expected [{want}]")
+    if not all(1 <= s <= MAX_ROWS for s in t.shape):
+        raise PairedCacheError(
+            f"{name} has shape {tuple(t.shape)}; every dimension must be in [1, {MAX_ROWS}]"
+        )
     if not t.is_contiguous():
-        raise ValueError(f"{name} with shape {tuple(t.shape)} is not contiguous")
+        raise PairedCacheError(f"{name} with shape {tuple(t.shape)} is not contiguous")
 
 
 def _view(handle, ptr, nbytes: int, dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -100,14 +108,22 @@ class PairedCache:
             gate_cols = gate.shape[1]
         capacity = n if capacity is None else capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
-            raise ValueError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
+            raise PairedCacheError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
         config = CacheConfig() if config is None else config
         if not isinstance(config, CacheConfig):
-            raise ValueError(f"config must be a CacheConfig, got {type(config).__name__}")
+            raise PairedCacheError(f"config must be a CacheConfig, got {type(config).__name__}")
+        # replace() runs CacheConfig's checks again (a field may have been set since) and
+        # keeps a copy, so later changes to the caller's config cannot reach the C core.
+        config = dataclasses.replace(config)
         self.n_rows, self.up_cols, self.gate_cols, self.hidden = n, up_cols, gate_cols, hidden
         self.capacity, self.config, self.dtype = capacity, config, up.dtype
         if init_mask is not None:
-            self._mask_bytes(init_mask)  # validate before allocating anything
+            # Validate before allocating anything.
+            selected = int(self._mask_bytes(init_mask).sum())
+            if selected > capacity:
+                raise PairedCacheError(
+                    f"init_mask selects {selected} rows but capacity is {capacity}"
+                )
 
         cfg = ffi.new("pc_config *")
         cfg.n_rows, cfg.gate_cols, cfg.up_cols, cfg.hidden = n, gate_cols, up_cols, hidden
@@ -117,7 +133,7 @@ class PairedCache:
         out = ffi.new("pc_cache **")
         rc = lib.pc_create(cfg, out)
         if rc != lib.PC_OK:
-            raise (MemoryError if rc == lib.PC_ERR_NOMEM else ValueError)(
+            raise (MemoryError if rc == lib.PC_ERR_NOMEM else PairedCacheError)(
                 f"pc_create failed ({ERROR_NAMES.get(rc, rc)}) for N={n}, gate_cols={gate_cols}"
                 f", up_cols={up_cols}, hidden={hidden}, capacity={capacity}"
             )
@@ -134,10 +150,11 @@ class PairedCache:
         self.gate_pool = self.neuron_pool[:, :gate_cols] if gate is not None else None
         self.up_pool = self.neuron_pool[:, gate_cols:row]  # (N, up_cols)
         self.down_pool_T = self.neuron_pool[:, row:]  # (N, hidden)
-        if gate is not None:
-            self.gate_pool.copy_(gate)
-        self.up_pool.copy_(up)
-        self.down_pool_T.copy_(down.t())  # (hidden, N) -> (N, hidden)
+        with torch.no_grad():  # weights that require grad are copied as plain data
+            if gate is not None:
+                self.gate_pool.copy_(gate)
+            self.up_pool.copy_(up)
+            self.down_pool_T.copy_(down.t())  # (hidden, N) -> (N, hidden)
         self._active_gate_up = _view(
             h, lib.pc_active_gate_up(h), capacity * row * size, self.dtype, (capacity, row)
         )
@@ -155,28 +172,30 @@ class PairedCache:
         which the C core reads as uint8."""
         if isinstance(mask, np.ndarray):
             if mask.dtype != np.bool_:
-                raise ValueError(f"mask must have dtype bool, got numpy {mask.dtype}")
+                raise PairedCacheError(f"mask must have dtype bool, got numpy {mask.dtype}")
             mask = torch.from_numpy(np.ascontiguousarray(mask))
         if not isinstance(mask, torch.Tensor):
-            raise ValueError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
+            raise PairedCacheError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
+        if mask.layout != torch.strided:
+            raise PairedCacheError(f"mask must be a dense (strided) tensor, got {mask.layout}")
         if mask.dtype != torch.bool:
-            raise ValueError(f"mask must have dtype torch.bool, got {mask.dtype}")
+            raise PairedCacheError(f"mask must have dtype torch.bool, got {mask.dtype}")
         if mask.dim() != 1 or mask.shape[0] != self.n_rows:
-            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({self.n_rows},)")
+            raise PairedCacheError(f"mask has shape {tuple(mask.shape)}, expected ({self.n_rows},)")
         if mask.device.type != "cpu":
-            raise ValueError(f"mask must be on the CPU, got device {mask.device}")
+            raise PairedCacheError(f"mask must be on the CPU, got device {mask.device}")
         return mask if mask.is_contiguous() else mask.contiguous()
 
     def update(self, new_mask) -> UpdateInfo:
         """Make the active set equal to new_mask: (N,) bool, at most capacity rows set.
 
-        Raises ValueError (cache unchanged) for a bad mask or one over capacity.
+        Raises PairedCacheError (cache unchanged) for a bad mask or one over capacity.
         """
         data = self._mask_bytes(new_mask)
         with self._lock:
             rc = lib.pc_update(self._handle, ffi.cast("uint8_t *", data.data_ptr()), self._count)
             if rc == lib.PC_ERR_CAPACITY:
-                raise ValueError(
+                raise PairedCacheError(
                     f"mask selects {self._count[0]} rows but capacity is {self.capacity}; "
                     "the cache is unchanged"
                 )
@@ -196,9 +215,9 @@ class PairedCache:
         return self._active_gate_up[: self.num_active]
 
     def gate(self) -> torch.Tensor:
-        """(m, gate_cols) strided view of the gate rows; ValueError without a gate."""
+        """(m, gate_cols) strided view of the gate rows; PairedCacheError without a gate."""
         if self.gate_cols == 0:
-            raise ValueError("this cache was built without a gate (gate=None)")
+            raise PairedCacheError("this cache was built without a gate (gate=None)")
         return self._active_gate_up[: self.num_active, : self.gate_cols]
 
     def up(self) -> torch.Tensor:

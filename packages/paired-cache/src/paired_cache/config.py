@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import math
 import os
+import sys
 from dataclasses import dataclass, field
+
+from paired_cache.errors import PairedCacheError
 
 ENV_TAU = "WEIGHT_CACHE_HYBRID_TAU_FRAC"
 ENV_GRAIN = "WEIGHT_CACHE_GRAIN"
 ENV_PAR_THRESHOLD = "WEIGHT_CACHE_PAR_THRESHOLD"
 MAX_THREADS = 64  # the C core's limit (PC_MAX_THREADS)
+# The C core holds grain and par_threshold in int64_t; row counts never pass 2**31 - 1.
+MAX_ROWS = 2**31 - 1
+MAX_INT64 = 2**63 - 1
 # Measured break-even of paired vs rebuild for same-size masks (benchmarks/update_bench.py).
 DEFAULT_HYBRID_TAU = 1.8
 
@@ -21,7 +26,7 @@ def _env_number(name: str, default, kind):
     try:
         return kind(raw)
     except ValueError:
-        raise ValueError(
+        raise PairedCacheError(
             f"environment variable {name}={raw!r} is not a valid {kind.__name__}"
         ) from None
 
@@ -44,8 +49,11 @@ class CacheConfig:
     paired update copies max(|A|, |R|) rows (k / 2 when the mask keeps its size), a rebuild
     all m, in ascending row order and a little faster per row, so rebuilding only pays once
     nearly every row changes.
-    grain: rows per parallel chunk (>= 1). par_threshold: updates copying fewer rows stay
-    on the calling thread (>= 0). num_threads: threads for row copies (1..64).
+    grain: rows per parallel chunk, in [1, 2**31 - 1]. par_threshold: updates copying fewer
+    rows stay on the calling thread, in [0, 2**63 - 1]. num_threads: threads for row copies
+    (1..64). Every field is checked at construction (a bool is not an int here, NaN is not
+    a number) and again by PairedCache, before the C core sees it; a bad value raises
+    PairedCacheError naming the field and its range.
     Each defaults to its environment variable (WEIGHT_CACHE_HYBRID_TAU_FRAC = 1.8,
     WEIGHT_CACHE_GRAIN = 64, WEIGHT_CACHE_PAR_THRESHOLD = 64) or the usable cores.
     """
@@ -60,18 +68,21 @@ class CacheConfig:
     def __post_init__(self) -> None:
         tau = self.hybrid_tau
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
-            raise ValueError(f"hybrid_tau must be a number >= 0 (inf: never rebuild), got {tau!r}")
-        if math.isnan(float(tau)):
-            raise ValueError(f"hybrid_tau must be a number >= 0, got {tau!r}")
+            raise PairedCacheError(
+                f"hybrid_tau must be a number >= 0 (inf: never rebuild), got {tau!r}"
+            )
+        if isinstance(tau, int) and tau > sys.float_info.max:  # would overflow float()
+            raise PairedCacheError(
+                f"hybrid_tau={tau} does not fit a double; use math.inf to never rebuild"
+            )
         self.hybrid_tau = float(tau)
         for name, low, high in (
-            ("grain", 1, None),
-            ("par_threshold", 0, None),
+            ("grain", 1, MAX_ROWS),
+            ("par_threshold", 0, MAX_INT64),
             ("num_threads", 1, MAX_THREADS),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-            if value < low or (high is not None and value > high):
-                allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-                raise ValueError(f"{name} must be {allowed}, got {value}")
+                raise PairedCacheError(f"{name} must be an int, got {value!r}")
+            if not low <= value <= high:
+                raise PairedCacheError(f"{name} must be in [{low}, {high}], got {value}")

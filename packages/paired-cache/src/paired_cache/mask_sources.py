@@ -12,16 +12,18 @@ from collections.abc import Callable
 
 import torch
 
+from paired_cache.errors import PairedCacheError
+
 Activation = Callable[[torch.Tensor], torch.Tensor]
 DEFAULT_RANK = 128  # SmolLM2-135M: ~30% of the dense gate+up cost, recall ~0.65-0.7 at 50%
 
 
 def active_rows(fraction: float, n_rows: int) -> int:
-    """k = round(fraction * N), at least 1; ValueError unless 0 < fraction <= 1."""
+    """k = round(fraction * N), at least 1; PairedCacheError unless 0 < fraction <= 1."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+        raise PairedCacheError(f"fraction must be a number in (0, 1], got {fraction!r}")
     if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        raise PairedCacheError(f"fraction must be in (0, 1], got {fraction}")
     return max(1, min(n_rows, round(fraction * n_rows)))
 
 
@@ -91,13 +93,13 @@ class LowRankPredictor(MaskSource):
         super().__init__(gate.shape[0], fraction)
         n, hidden = gate.shape
         if calibration.dim() != 2 or calibration.shape[1] != hidden:
-            raise ValueError(
+            raise PairedCacheError(
                 f"calibration has shape {tuple(calibration.shape)}, expected (T, {hidden})"
             )
         max_rank = min(calibration.shape[0], hidden, n)
         rank = min(DEFAULT_RANK, max_rank) if rank is None else rank
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= max_rank:
-            raise ValueError(
+            raise PairedCacheError(
                 f"rank must be an int in [1, min(T, hidden, N)={max_rank}], got {rank!r}"
             )
         self.act, self.rank = act, rank
@@ -126,10 +128,10 @@ class FixedMask(MaskSource):
 
     def __init__(self, mask: torch.Tensor) -> None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
-            raise ValueError(f"mask must be a 1-D bool tensor, got {mask!r:.80}")
+            raise PairedCacheError(f"mask must be a 1-D bool tensor, got {mask!r:.80}")
         count = int(mask.sum())
         if count == 0:
-            raise ValueError("mask selects no rows; a fixed mask needs at least one")
+            raise PairedCacheError("mask selects no rows; a fixed mask needs at least one")
         super().__init__(mask.shape[0], count / mask.shape[0])
         self.k = count
         self.mask = mask.clone()
@@ -164,11 +166,11 @@ def make_source(
     """Build the source registered under name; "lowrank" and "fixed" need calibration
     (T, hidden) inputs of this MLP."""
     if name not in MASK_SOURCES:
-        raise ValueError(f"unknown mask source {name!r}; known: {sorted(MASK_SOURCES)}")
+        raise PairedCacheError(f"unknown mask source {name!r}; known: {sorted(MASK_SOURCES)}")
     if name == "oracle":
         return OracleTopK(gate, up, act, fraction, **options)
     if calibration is None:
-        raise ValueError(f"mask source {name!r} needs calibration inputs (T, hidden)")
+        raise PairedCacheError(f"mask source {name!r} needs calibration inputs (T, hidden)")
     if name == "lowrank":
         return LowRankPredictor(gate, up, act, fraction, calibration, **options)
     return FixedMask.from_calibration(gate, up, act, fraction, calibration, **options)

@@ -26,6 +26,7 @@ import torch
 
 from paired_cache.cache import PairedCache
 from paired_cache.config import CacheConfig
+from paired_cache.errors import PairedCacheError
 
 METHODS = [
     "paired",
@@ -57,12 +58,12 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= self.n_rows // 2:
-            raise ValueError(f"m must be in [1, N/2={self.n_rows // 2}], got {self.m}")
+            raise PairedCacheError(f"m must be in [1, N/2={self.n_rows // 2}], got {self.m}")
         for k in self.ks:
             if k < 2 or k % 2 or k // 2 > self.m:
-                raise ValueError(f"every k must be even and in [2, 2m={2 * self.m}], got {k}")
+                raise PairedCacheError(f"every k must be even and in [2, 2m={2 * self.m}], got {k}")
         if self.steps < 3:
-            raise ValueError(f"steps must be >= 3, got {self.steps}")
+            raise PairedCacheError(f"steps must be >= 3, got {self.steps}")
 
 
 def mask_chain(n: int, m: int, k: int, steps: int, seed: int) -> list[torch.Tensor]:

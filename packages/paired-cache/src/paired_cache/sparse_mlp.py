@@ -8,6 +8,7 @@ from torch import nn
 
 from paired_cache.cache import PairedCache
 from paired_cache.config import CacheConfig
+from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import (
     MASK_SOURCES,
     Activation,
@@ -36,12 +37,12 @@ class SparseMLP(nn.Module):
     def __init__(self, cache: PairedCache, act: Activation, source: MaskSource) -> None:
         super().__init__()
         if cache.gate_cols == 0 or cache.gate_cols != cache.up_cols:
-            raise ValueError(
+            raise PairedCacheError(
                 f"SparseMLP needs a gate with as many columns as up, got gate_cols="
                 f"{cache.gate_cols}, up_cols={cache.up_cols}"
             )
         if source.n_rows != cache.n_rows or source.k > cache.capacity:
-            raise ValueError(
+            raise PairedCacheError(
                 f"mask source picks {source.k} of {source.n_rows} rows; the cache has "
                 f"N={cache.n_rows}, capacity={cache.capacity}"
             )
@@ -60,12 +61,14 @@ class SparseMLP(nn.Module):
         """Wrap a gated MLP; source names a MASK_SOURCES entry, calibration is (T, hidden)
         inputs of this MLP for the sources that fit to data."""
         if not is_gated_mlp(mlp):
-            raise ValueError(f"{type(mlp).__name__} is not a gated MLP (needs {GATED_MLP_PARTS})")
+            raise PairedCacheError(
+                f"{type(mlp).__name__} is not a gated MLP (needs {GATED_MLP_PARTS})"
+            )
         parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if any(getattr(p, "bias", None) is not None for p in parts):
-            raise ValueError("SparseMLP supports bias-free projections only")
+            raise PairedCacheError("SparseMLP supports bias-free projections only")
         if source not in MASK_SOURCES:
-            raise ValueError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+            raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
         with torch.no_grad():
             gate, up, down = (p.weight.detach().contiguous() for p in parts)
             capacity = active_rows(fraction, gate.shape[0])
@@ -138,7 +141,7 @@ def sparsify_model(
     """
     names = [name for name, module in model.named_modules() if is_gated_mlp(module)]
     if not names:
-        raise ValueError(
+        raise PairedCacheError(
             f"{type(model).__name__} has no gated MLP (modules with {GATED_MLP_PARTS})"
         )
     calibration = collect_mlp_inputs(model, calibration_ids) if calibration_ids is not None else {}

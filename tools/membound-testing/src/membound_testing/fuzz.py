@@ -43,7 +43,7 @@ CLASSES = ("clean", "unclear", "crash", "hang", "silent", "benign")
 BAD = ("unclear", "crash", "hang", "silent")
 
 # Values a JSON field is rewritten to: out of range, of the wrong type, or absurdly large.
-_ODD_VALUES = [
+ODD_VALUES = [
     0,
     -1,
     1,
@@ -83,7 +83,7 @@ def mutate_json(obj, rng: random.Random):
     obj = json.loads(json.dumps(obj))
     leaves = [p for p, _ in _leaves(obj) if p]
     if not leaves:
-        return _ODD_VALUES[rng.randrange(len(_ODD_VALUES))]
+        return ODD_VALUES[rng.randrange(len(ODD_VALUES))]
     path = leaves[rng.randrange(len(leaves))]
     parent = obj
     for key in path[:-1]:
@@ -99,7 +99,7 @@ def mutate_json(obj, rng: random.Random):
     elif roll < 0.4 and isinstance(parent[key], list) and parent[key]:
         parent[key] = parent[key][::-1] if rng.random() < 0.5 else parent[key][:-1]
     else:
-        parent[key] = _ODD_VALUES[rng.randrange(len(_ODD_VALUES))]
+        parent[key] = ODD_VALUES[rng.randrange(len(ODD_VALUES))]
     return obj
 
 
@@ -156,12 +156,16 @@ class Target:
     """One file to damage. ``root`` is a file, or a directory whose file ``relpath`` is
     damaged (the checker gets the mutant directory). ``structured`` is a mutation that
     knows the format (``mutate_json_bytes``, ``mutate_safetensors_header``, or one of the
-    package's own); it is used for about half of the mutants."""
+    package's own); it is used for a ``structured_share`` of the mutants (half by default,
+    the rest byte-level). A file that only carries a test's arguments (a JSON of config
+    fields, say), which the package never parses itself, takes ``structured_share=1.0``:
+    a truncated JSON there would test the harness, not the package."""
 
     root: Path
     relpath: str | None = None
     structured: object = None
     header_bytes: int = 64
+    structured_share: float = 0.5
 
     def data(self) -> bytes:
         path = self.root / self.relpath if self.relpath else self.root
@@ -299,7 +303,7 @@ def run(
         for i in range(n):
             k = i % len(targets)
             target, data = targets[k], originals[k]
-            if target.structured is not None and rng.random() < 0.5:
+            if target.structured is not None and rng.random() < target.structured_share:
                 mutant = target.structured(data, rng)
                 how = f"structured({getattr(target.structured, '__name__', '?')})"
             else:

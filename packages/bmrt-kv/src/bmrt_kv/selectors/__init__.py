@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+
+from bmrt_kv.errors import BMRTError, check_choice
 from bmrt_kv.selectors.base import Pool, Selector
 from bmrt_kv.selectors.exact import ExactSelector
 from bmrt_kv.selectors.h2o import H2OSelector
@@ -26,13 +29,24 @@ SELECTORS: dict[str, type[Selector]] = {
 
 
 def make_selector(name: str, options: dict | None = None, seed: int = 0) -> Selector:
-    """Instantiate the selector registered as ``name`` with keyword ``options``."""
-    if name not in SELECTORS:
-        raise ValueError(f"selector must be one of {sorted(SELECTORS)}, got {name!r}")
-    try:
-        return SELECTORS[name](seed=seed, **(options or {}))
-    except TypeError as err:
-        raise ValueError(f"bad selector_options for {name!r}: {err}") from err
+    """Instantiate the selector registered as ``name`` with keyword ``options``.
+
+    Raises :class:`~bmrt_kv.BMRTError` naming the selector and the option for an unknown
+    option or a bad value.
+    """
+    check_choice("selector", name, SELECTORS)
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise BMRTError(f"selector_options of {name!r} must be a dict, got {options!r}")
+    known = set(inspect.signature(SELECTORS[name]).parameters) - {"seed"}
+    for key in options:
+        if not isinstance(key, str) or key not in known:
+            # seed is BMRTConfig.seed's (one generator per layer), never an option.
+            raise BMRTError(
+                f"selector_options of {name!r}: unknown option {key!r}; "
+                f"{name!r} takes {sorted(known) or 'no options'}"
+            )
+    return SELECTORS[name](seed=seed, **options)
 
 
-__all__ = ["SELECTORS", "TIE_BREAKERS", "Pool", "Selector", "make_selector"]
+__all__ = ["SELECTORS", "TIE_BREAKERS", "BMRTError", "Pool", "Selector", "make_selector"]

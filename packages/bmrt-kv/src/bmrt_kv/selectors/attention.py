@@ -9,6 +9,10 @@ import torch.nn.functional as F
 
 from bmrt_kv.selectors.base import Pool
 
+#: Widest max-pool kernel: its cost is P * kernel per head, and a kernel wider than the
+#: pool smooths every score into one.
+MAX_KERNEL = 1023
+
 
 def attention_probs(pool: Pool, last_queries: int | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(hd)) of the scoring queries over the whole pool, causally masked.

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from bmrt_kv.errors import BMRTError, check_int
+
+#: Largest selector seed: a torch generator seed, with room for hybrid's second stage.
+MAX_SELECTOR_SEED = 2**63 - 2
+
 
 @dataclass
 class Pool:
@@ -47,9 +52,15 @@ class Selector(ABC):
 
     #: True when the selector needs ``Pool.accumulated`` kept up to date across steps.
     stateful = False
+    #: The name it is registered under in :data:`bmrt_kv.SELECTORS` (used in errors).
+    name = "selector"
 
     def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+        self.seed = check_int(f"the seed of selector {self.name!r}", seed, 0, MAX_SELECTOR_SEED)
+
+    def option(self, option: str, value, low: int, high: int, odd: bool = False) -> int:
+        """Check an int option of this selector; errors name the selector and the option."""
+        return check_int(f"selector {self.name!r} option {option!r}", value, low, high, odd)
 
     @abstractmethod
     def score(self, pool: Pool) -> torch.Tensor:
@@ -83,7 +94,7 @@ def top_k(scores: torch.Tensor, eligible: torch.Tensor, k: int, shared: bool) ->
         eligible = eligible.all(dim=1, keepdim=True)
     available = int(eligible.sum(dim=-1).min())
     if available < k:
-        raise ValueError(f"k={k} exceeds the {available} eligible candidates")
+        raise BMRTError(f"k={k} exceeds the {available} eligible candidates")
     scores = scores.masked_fill(~eligible, float("-inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     picked = order[..., :k]

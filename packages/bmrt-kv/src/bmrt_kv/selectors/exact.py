@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bmrt_kv.selectors.attention import attention_mass, max_pool_over_time
+from bmrt_kv.selectors.attention import MAX_KERNEL, attention_mass, max_pool_over_time
 from bmrt_kv.selectors.base import Pool, Selector
 
 
@@ -17,11 +17,11 @@ class ExactSelector(Selector):
             around a hit too, so a number split into one token per digit is kept whole.
     """
 
+    name = "exact"
+
     def __init__(self, seed: int = 0, kernel: int = 1) -> None:
         super().__init__(seed)
-        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"kernel must be an odd int >= 1, got {kernel!r}")
-        self.kernel = kernel
+        self.kernel = self.option("kernel", kernel, 1, MAX_KERNEL, odd=True)
 
     def score(self, pool: Pool) -> torch.Tensor:
         return max_pool_over_time(attention_mass(pool), self.kernel).to(torch.float64)

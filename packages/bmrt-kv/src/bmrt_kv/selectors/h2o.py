@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bmrt_kv.errors import BMRTError
 from bmrt_kv.selectors.base import Pool, Selector
 
 
@@ -14,9 +15,10 @@ class H2OSelector(Selector):
     (``stateful``), so a token's score is everything it received since it arrived.
     """
 
+    name = "h2o"
     stateful = True
 
     def score(self, pool: Pool) -> torch.Tensor:
         if pool.accumulated is None:
-            raise ValueError("the h2o selector needs Pool.accumulated (got None)")
+            raise BMRTError("the h2o selector needs Pool.accumulated (got None)")
         return pool.accumulated.to(torch.float64)

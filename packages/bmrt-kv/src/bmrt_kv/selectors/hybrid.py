@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bmrt_kv.errors import BMRTError, check_choice, check_fraction
 from bmrt_kv.selectors.base import Pool, Selector
 
 
@@ -14,8 +15,10 @@ class HybridSelector(Selector):
         primary: name of a registered selector (not ``hybrid``).
         secondary: name of a registered selector (not ``hybrid``).
         ratio: R in [0, 1].
-        primary_options / secondary_options: their constructor keywords.
+        primary_options / secondary_options: their constructor keywords (a dict or None).
     """
+
+    name = "hybrid"
 
     def __init__(
         self,
@@ -26,17 +29,27 @@ class HybridSelector(Selector):
         primary_options: dict | None = None,
         secondary_options: dict | None = None,
     ) -> None:
-        from bmrt_kv.selectors import make_selector
+        from bmrt_kv.selectors import SELECTORS, make_selector
 
         super().__init__(seed)
-        if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be a number in [0, 1], got {ratio!r}")
-        for name, value in (("primary", primary), ("secondary", secondary)):
-            if value == "hybrid":
-                raise ValueError(f"{name} must not be 'hybrid' itself")
-        self.primary = make_selector(primary, primary_options or {}, seed)
-        self.secondary = make_selector(secondary, secondary_options or {}, seed + 1)
-        self.ratio = float(ratio)
+        self.ratio = check_fraction(f"selector {self.name!r} option 'ratio'", ratio, False)
+        stages = []
+        for stage, name, options, stage_seed in (
+            ("primary", primary, primary_options, seed),
+            ("secondary", secondary, secondary_options, seed + 1),
+        ):
+            where = f"selector {self.name!r} option {stage!r}"
+            check_choice(where, name, set(SELECTORS) - {"hybrid"})
+            if options is not None and not isinstance(options, dict):
+                raise BMRTError(
+                    f"selector {self.name!r} option '{stage}_options' must be a dict or None, "
+                    f"got {options!r}"
+                )
+            try:
+                stages.append(make_selector(name, options, stage_seed))
+            except BMRTError as err:
+                raise BMRTError(f"selector {self.name!r} option '{stage}_options': {err}") from err
+        self.primary, self.secondary = stages
         self.stateful = self.primary.stateful or self.secondary.stateful
 
     def score(self, pool: Pool) -> torch.Tensor:

@@ -16,6 +16,8 @@ class KeyDiffSelector(Selector):
     whatever the scoring mode, and it is cheap: one mean and one cosine per token.
     """
 
+    name = "keydiff"
+
     def score(self, pool: Pool) -> torch.Tensor:
         keys = torch.nn.functional.normalize(pool.keys.to(torch.float32), dim=-1)
         weight = pool.candidates.unsqueeze(-1).to(keys.dtype)  # (b, h, P, 1)

@@ -4,30 +4,36 @@ from __future__ import annotations
 
 import torch
 
+from bmrt_kv.errors import check_choice
 from bmrt_kv.selectors.base import Pool, Selector
-from bmrt_kv.selectors.simhash import SimHash, collision_counts
+from bmrt_kv.selectors.simhash import MAX_BITS, SimHash, collision_counts
 from bmrt_kv.selectors.tiebreak import TIE_BREAKERS, tiebreak_bonus
+
+#: More tables than this only multiplies the hashing cost (and a typo such as 2**20 would
+#: allocate gigabytes of hyperplanes mid-stream).
+MAX_TABLES = 1024
 
 
 class LSHSelector(Selector):
     """Ranks by collision count over L tables, ties broken by ``tie_breaker``.
 
     Args:
-        tables: L hash tables.
-        bits: K bits per table.
+        tables: L hash tables, in [1, 1024].
+        bits: K bits per table, in [1, 16].
         tie_breaker: one of :data:`bmrt_kv.selectors.tiebreak.TIE_BREAKERS`.
     """
+
+    name = "lsh"
 
     def __init__(
         self, seed: int = 0, tables: int = 16, bits: int = 6, tie_breaker: str = "l2"
     ) -> None:
         super().__init__(seed)
-        if tie_breaker not in TIE_BREAKERS:
-            raise ValueError(
-                f"tie_breaker must be one of {sorted(TIE_BREAKERS)}, got {tie_breaker!r}"
-            )
+        tables = self.option("tables", tables, 1, MAX_TABLES)
+        bits = self.option("bits", bits, 1, MAX_BITS)
+        where = f"selector {self.name!r} option 'tie_breaker'"
+        self.tie_breaker = check_choice(where, tie_breaker, TIE_BREAKERS)
         self.hash = SimHash(tables, bits, seed)
-        self.tie_breaker = tie_breaker
 
     def score(self, pool: Pool) -> torch.Tensor:
         query_codes = self.hash.codes(pool.queries)  # (b, h, Q, L)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from bmrt_kv.selectors.base import Pool, Selector
-from bmrt_kv.selectors.simhash import SimHash
+from bmrt_kv.selectors.simhash import MAX_BITS, SimHash
+
+#: Per-(query, key) collision counts are uint8; more tables would wrap them.
+MAX_TABLES = 255
 
 
 class MagicPIGSelector(Selector):
@@ -17,13 +20,16 @@ class MagicPIGSelector(Selector):
     than needed are valid the rest is filled with the most recent tokens.
 
     Args:
-        tables: L hash tables.
-        bits: K bits per table.
+        tables: L hash tables, in [1, 255] (collisions are counted in uint8).
+        bits: K bits per table, in [1, 16].
     """
+
+    name = "magicpig"
 
     def __init__(self, seed: int = 0, tables: int = 16, bits: int = 6) -> None:
         super().__init__(seed)
-        self.hash = SimHash(tables, bits, seed)
+        tables = self.option("tables", tables, 1, MAX_TABLES)
+        self.hash = SimHash(tables, self.option("bits", bits, 1, MAX_BITS), seed)
 
     def score(self, pool: Pool) -> torch.Tensor:
         n_tables, n_bits = self.hash.tables, self.hash.bits

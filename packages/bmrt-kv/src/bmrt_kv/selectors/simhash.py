@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+#: Bucket ids are computed in float32 (exact up to 2**24); 16 bits keep the histograms small.
+MAX_BITS = 16
+
 
 class SimHash:
     """Random-hyperplane hashing: bit j of x is ``x . r_j > 0``.
@@ -15,13 +18,11 @@ class SimHash:
         tables: L >= 1 hash tables.
         bits: K bits per table, 1..16 (a table has 2**K buckets).
         seed: generator seed.
+
+    The selectors that own one check these before building it.
     """
 
     def __init__(self, tables: int, bits: int, seed: int) -> None:
-        if not isinstance(tables, int) or tables < 1:
-            raise ValueError(f"tables must be an int >= 1, got {tables!r}")
-        if not isinstance(bits, int) or not 1 <= bits <= 16:
-            raise ValueError(f"bits must be an int in [1, 16], got {bits!r}")
         self.tables = tables
         self.bits = bits
         self.seed = seed

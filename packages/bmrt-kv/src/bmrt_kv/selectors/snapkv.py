@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from bmrt_kv.selectors.attention import attention_mass, max_pool_over_time
+from bmrt_kv.errors import MAX_TOKENS
+from bmrt_kv.selectors.attention import MAX_KERNEL, attention_mass, max_pool_over_time
 from bmrt_kv.selectors.base import Pool, Selector
 
 
@@ -16,17 +17,15 @@ class SnapKVSelector(Selector):
 
     Args:
         window: observation-window length in tokens (>= 1).
-        kernel: pooling kernel size, odd (>= 1).
+        kernel: pooling kernel size, odd, in [1, 1023].
     """
+
+    name = "snapkv"
 
     def __init__(self, seed: int = 0, window: int = 32, kernel: int = 7) -> None:
         super().__init__(seed)
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"kernel must be an odd int >= 1, got {kernel!r}")
-        self.window = window
-        self.kernel = kernel
+        self.window = self.option("window", window, 1, MAX_TOKENS)
+        self.kernel = self.option("kernel", kernel, 1, MAX_KERNEL, odd=True)
 
     def score(self, pool: Pool) -> torch.Tensor:
         mass = attention_mass(pool, last_queries=self.window)  # (b, h, P)

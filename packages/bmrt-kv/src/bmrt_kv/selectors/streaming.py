@@ -12,5 +12,7 @@ class StreamingSelector(Selector):
     anchors (attention sinks) plus one recent window of B - B/n tokens: StreamingLLM at
     the same budget."""
 
+    name = "streaming"
+
     def score(self, pool: Pool) -> torch.Tensor:
         return pool.positions.to(torch.float64)
