@@ -12,19 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 NEW_TOKENS = 6
 
 
-def align_linear_weights(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = module.weight.data.clone()
-
-
 def load_aligned():
-    from membound_testing import load_smollm2
+    from membound_testing import align_linear_weights, load_smollm2
 
     model, tokenizer = load_smollm2()
     align_linear_weights(model)

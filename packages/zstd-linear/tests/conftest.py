@@ -45,25 +45,12 @@ def make_toy(seed: int = 0, **kw) -> Toy:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from membound_testing import chat_prompt, load_smollm2
+    from membound_testing import align_linear_weights, chat_prompt, load_smollm2
 
     model, tokenizer = load_smollm2()
     align_linear_weights(model)
     ids = tokenizer(chat_prompt(tokenizer, QUESTION), return_tensors="pt")
     return model, tokenizer, ids
-
-
-def align_linear_weights(model: nn.Module) -> None:
-    """Move every Linear weight to freshly allocated (64-byte aligned) memory.
-
-    The loader leaves weights at their offsets in the safetensors file (8 mod 64 here),
-    and the CPU GEMV kernel's rounding depends on the weight's address mod 64: a plain
-    ``weight.clone()`` already changes one-token logits in the last bits. Decoded weights
-    always sit at aligned addresses, so the reference must too for a bit-exact comparison.
-    """
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = module.weight.data.clone()
 
 
 def generate(model, ids):

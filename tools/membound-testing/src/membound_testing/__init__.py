@@ -6,6 +6,7 @@ Packages must not import this at run time; their test extras and benchmarks may.
 from membound_testing.__about__ import __version__
 from membound_testing.machine import machine_info
 from membound_testing.models import (
+    align_linear_weights,
     chat_prompt,
     load_smollm2,
     minilm_path,
@@ -16,6 +17,7 @@ from membound_testing.passkey import passkey_prompt
 
 __all__ = [
     "__version__",
+    "align_linear_weights",
     "chat_prompt",
     "load_smollm2",
     "machine_info",

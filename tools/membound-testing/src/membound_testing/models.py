@@ -201,6 +201,22 @@ def load_smollm2(dtype: str = "float32"):
     return model, tokenizer
 
 
+def align_linear_weights(model) -> None:
+    """Move every Linear weight to freshly allocated (64-byte aligned) memory.
+
+    The loader leaves weights at their offsets in the memory-mapped safetensors file (8 mod
+    64 here), and the CPU GEMV kernel's rounding depends on the weight's address mod 64: a
+    plain ``weight.clone()`` already changes one-token logits in the last bits. Decoded or
+    repacked weights always sit at aligned addresses, so a reference for a bit-exact
+    comparison must too.
+    """
+    from torch import nn
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = module.weight.data.clone()
+
+
 def chat_prompt(tokenizer, question: str) -> str:
     """The instruct chat template applied to one user turn, ready for generation."""
     return tokenizer.apply_chat_template(
