@@ -5,6 +5,7 @@
 2. export_variants: cache-as-I/O vs StaticAttention-style graphs — bytes moved per step
    (computed from the layout) and measured .pte step latency, side by side.
 3. sdar_1p7b_2layer: an SDAR-1.7B-shaped random config cut to 2 layers, eager vs .pte.
+4. fuzz: both loaders under seeded mutation (``benchmarks/fuzz.py``, its own process).
 
 Each writes benchmarks/results/<name>.json and prints its markdown table; tools/bench.py
 renders the JSON into the READMEs.
@@ -392,7 +393,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few prompts, no 1.7B-shaped run")
     parser.add_argument("--child-rss", nargs=2, metavar=("KIND", "PATH"))
     parser.add_argument("--prompts", type=int, default=10)
-    parser.add_argument("--only", choices=["decode", "1p7b"], default=None)
+    parser.add_argument("--only", choices=["decode", "1p7b", "fuzz"], default=None)
     args = parser.parse_args()
     # One intra-op thread for eager torch: on this shared 2-core machine it is the faster
     # setting for these small matrices (two threads spin against other jobs' load).
@@ -407,6 +408,8 @@ def main() -> None:
             bench_variants(decode, args.quick)
         if not args.quick and args.only in (None, "1p7b"):
             bench_1p7b(tmp)
+    if not args.quick and args.only in (None, "fuzz"):
+        subprocess.run([sys.executable, str(HERE / "fuzz.py")], check=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
+import math
+
 import pytest
 
+from diffulex_edge import DiffulexEdgeError
 from diffulex_edge.config import SDARConfig, sdar_1p7b_config, tiny_config
 
 
@@ -27,8 +30,51 @@ def test_head_dim_defaults_to_hidden_over_heads():
     ],
 )
 def test_bad_config_names_the_parameter(overrides, word):
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(DiffulexEdgeError, match=word):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("num_hidden_layers", 2**40),
+        ("num_hidden_layers", True),
+        ("num_hidden_layers", 2.0),
+        ("vocab_size", "64"),
+        ("vocab_size", 2**25),
+        ("max_position_embeddings", 2**31),
+        ("head_dim", 0),
+        ("rms_norm_eps", math.nan),
+        ("rms_norm_eps", math.inf),
+        ("rms_norm_eps", True),
+        ("rope_theta", -math.inf),
+        ("rope_theta", None),
+        ("tie_word_embeddings", "no"),
+        ("tie_word_embeddings", 0),
+        ("mask_token_id", True),
+        ("mask_token_id", 62.0),
+        ("eos_token_id", -1),
+    ],
+)
+def test_wrong_types_and_ranges_are_refused(name, value):
+    with pytest.raises(DiffulexEdgeError, match=name):
+        tiny_config(**{name: value})
+
+
+def test_from_dict_refuses_missing_fields_and_non_objects():
+    data = tiny_config().to_dict()
+    del data["hidden_size"]
+    with pytest.raises(DiffulexEdgeError, match=r"missing.*hidden_size"):
+        SDARConfig.from_dict(data)
+    with pytest.raises(DiffulexEdgeError, match="JSON object"):
+        SDARConfig.from_dict([1, 2])
+    with pytest.raises(DiffulexEdgeError, match="eos_token_id"):
+        SDARConfig.from_dict({**tiny_config().to_dict(), "eos_token_id": []})
+
+
+def test_from_dict_accepts_int_valued_floats_as_hugging_face_writes_them():
+    cfg = SDARConfig.from_dict({**tiny_config().to_dict(), "rope_theta": 1000000})
+    assert cfg.rope_theta == 1000000
 
 
 def test_sdar_1p7b_shape():

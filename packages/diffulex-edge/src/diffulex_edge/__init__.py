@@ -5,6 +5,7 @@ from diffulex_edge.backends import Backend, EagerBlockKV, EagerCacheIO, EagerDyn
 from diffulex_edge.checkpoint import load_checkpoint, save_checkpoint
 from diffulex_edge.cli import trained_checkpoint
 from diffulex_edge.config import SDARConfig, sdar_1p7b_config, tiny_config
+from diffulex_edge.errors import DiffulexEdgeError
 from diffulex_edge.export import EXPORT_VARIANTS, ExportResult, export_pte, quantize_8da4w
 from diffulex_edge.generate import GenerationConfig, GenerationResult, generate
 from diffulex_edge.kv_cache import DynamicKVCache, StaticCacheLayout
@@ -19,6 +20,7 @@ __all__ = [
     "REMASKING",
     "Backend",
     "CacheIOMasks",
+    "DiffulexEdgeError",
     "DynamicKVCache",
     "EagerBlockKV",
     "EagerCacheIO",

@@ -75,7 +75,8 @@ def cmd_generate(args) -> None:
     if args.pte:
         from diffulex_edge.runtime import PteEngine
 
-        result = PteEngine(args.pte).generate(prompt, config)
+        engine = PteEngine(args.pte, allow_unverified=args.allow_unverified)
+        result = engine.generate(prompt, config)
     else:
         from diffulex_edge.backends import EagerDynamic
         from diffulex_edge.generate import generate
@@ -140,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="digits for the sorting model, e.g. 31415926")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="run a .pte that has no integrity record or fails it (a damaged program can "
+        "crash the process)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--block-size", type=int, default=4, help="eager only; a .pte fixes its own")
     p.add_argument("--remasking", choices=sorted(REMASKING), default="low_confidence_dynamic")

@@ -4,13 +4,39 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffulex_edge.errors import DiffulexEdgeError
 
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+# Upper bounds far above any released model, low enough that a damaged config cannot ask
+# for an absurd allocation (the RoPE tables are max_position_embeddings x head_dim).
+_INT_RANGES = {
+    "vocab_size": 2**24,
+    "hidden_size": 2**16,
+    "intermediate_size": 2**18,
+    "num_hidden_layers": 2**10,
+    "num_attention_heads": 2**10,
+    "num_key_value_heads": 2**10,
+    "head_dim": 2**12,
+    "max_position_embeddings": 2**20,
+}
+
+
+def _int_in_range(name: str, value, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DiffulexEdgeError(f"{name} must be an int in [1, {high}], got {value!r}")
+    if not 1 <= value <= high:
+        raise DiffulexEdgeError(f"{name} must be in [1, {high}], got {value}")
+
+
+def _finite_positive(name: str, value, high: float) -> None:
+    # JSON configs often write floats as ints ("rope_theta": 1000000): ints are accepted.
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise DiffulexEdgeError(f"{name} must be a number in (0, {high}], got {value!r}")
+    if not (math.isfinite(value) and 0 < value <= high):
+        raise DiffulexEdgeError(f"{name} must be finite and in (0, {high}], got {value!r}")
 
 
 @dataclass
@@ -37,39 +63,38 @@ class SDARConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            _positive(name, getattr(self, name))
+        for name, high in _INT_RANGES.items():
+            if name != "head_dim":
+                _int_in_range(name, getattr(self, name), high)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
+                raise DiffulexEdgeError(
                     f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                     f"{self.num_attention_heads}; give head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        _positive("head_dim", self.head_dim)
+        _int_in_range("head_dim", self.head_dim, _INT_RANGES["head_dim"])
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise DiffulexEdgeError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise DiffulexEdgeError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)"
             )
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        _finite_positive("rms_norm_eps", self.rms_norm_eps, 1.0)
+        _finite_positive("rope_theta", self.rope_theta, 1e12)
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise DiffulexEdgeError(
+                f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}"
+            )
         for name in ("mask_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {value}")
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise DiffulexEdgeError(f"{name} must be an int or null, got {value!r}")
+            if not 0 <= value < self.vocab_size:
+                raise DiffulexEdgeError(f"{name} must be in [0, {self.vocab_size}), got {value}")
 
     @property
     def num_kv_groups(self) -> int:
@@ -82,15 +107,38 @@ class SDARConfig:
 
         A list-valued ``eos_token_id`` (as some Qwen3 configs have) keeps its first id.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
-        if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+        if not isinstance(data, dict):
+            raise DiffulexEdgeError(f"a config must be a JSON object, got {type(data).__name__}")
+        fields = dataclasses.fields(cls)
+        required = [
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise DiffulexEdgeError(f"config is missing {missing}")
+        kwargs = {f.name: data[f.name] for f in fields if f.name in data}
+        eos = kwargs.get("eos_token_id")
+        if isinstance(eos, list):
+            if not eos:
+                raise DiffulexEdgeError("eos_token_id is an empty list; expected an int or ids")
+            kwargs["eos_token_id"] = eos[0]
         return cls(**kwargs)
 
     @classmethod
     def from_json(cls, path: str | Path) -> SDARConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read ``path`` (a ``config.json``); any problem is a :class:`DiffulexEdgeError`
+        naming the file."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as err:
+            raise DiffulexEdgeError(f"{path} is not valid JSON: {err}") from err
+        try:
+            return cls.from_dict(data)
+        except DiffulexEdgeError as err:
+            raise DiffulexEdgeError(f"{path}: {err}") from err
 
     def to_dict(self) -> dict:
         return {"model_type": "sdar", **dataclasses.asdict(self)}

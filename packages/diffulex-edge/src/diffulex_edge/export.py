@@ -8,8 +8,10 @@ Two graph variants (registry :data:`EXPORT_VARIANTS`):
   StaticAttention; the cache is a read-only input and only the block's K/V come back.
 
 The program also carries constant methods describing what it was exported for (format
-version, variant, cache geometry, token ids, a digest of the model config), which
-:class:`diffulex_edge.runtime.PteEngine` checks before running anything.
+version, variant, cache geometry, token ids, a digest of the model config), and an
+integrity record ``<name>.pte.json`` is written next to it
+(:mod:`diffulex_edge.pte_record`); :class:`diffulex_edge.runtime.PteEngine` verifies the
+record before any byte reaches ExecuTorch, and the constants before running anything.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from diffulex_edge.errors import DiffulexEdgeError
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
 from diffulex_edge.model import SDARModel
@@ -83,8 +86,24 @@ def config_digest(config) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
 
 
-def program_metadata(model: SDARModel, layout: StaticCacheLayout, variant: str) -> dict[str, int]:
-    c = model.config
+META_KEYS = (
+    "diffulex_format_version",
+    "variant_id",
+    "num_layers",
+    "kv_heads",
+    "head_dim",
+    "vocab_size",
+    "block_size",
+    "max_seq",
+    "mask_token_id",
+    "eos_token_id",
+    "config_digest",
+)
+
+
+def program_metadata(config, block_size: int, max_seq: int, variant: str) -> dict[str, int]:
+    """The constant methods a program exported from ``config`` carries (keys: META_KEYS)."""
+    c = config
     return {
         "diffulex_format_version": PTE_FORMAT_VERSION,
         "variant_id": EXPORT_VARIANTS[variant].variant_id,
@@ -92,8 +111,8 @@ def program_metadata(model: SDARModel, layout: StaticCacheLayout, variant: str) 
         "kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
         "vocab_size": c.vocab_size,
-        "block_size": layout.block_size,
-        "max_seq": layout.max_seq,
+        "block_size": block_size,
+        "max_seq": max_seq,
         "mask_token_id": -1 if c.mask_token_id is None else c.mask_token_id,
         "eos_token_id": -1 if c.eos_token_id is None else c.eos_token_id,
         "config_digest": config_digest(c),
@@ -130,6 +149,7 @@ class ExportResult:
     layout: StaticCacheLayout
     quantize: str | None
     pte_bytes: int
+    record_path: Path
 
 
 def export_pte(
@@ -140,25 +160,33 @@ def export_pte(
     variant: str = "block_kv",
     quantize: str | None = None,
 ) -> ExportResult:
-    """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``.
+    """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
+    plus its integrity record ``<path>.json`` (size and SHA-256 of the program, the config
+    it was exported from, the constants it reports), which :class:`PteEngine` verifies.
 
-    Any failure of the toolchain propagates; the file is written to a temp name and renamed.
+    Any failure of the toolchain propagates; each file is written to a temp name and
+    renamed, the program first, so a record never describes a program not yet in place.
     """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
     if variant not in EXPORT_VARIANTS:
-        raise ValueError(f"variant must be one of {sorted(EXPORT_VARIANTS)}, got {variant!r}")
+        raise DiffulexEdgeError(
+            f"variant must be one of {sorted(EXPORT_VARIANTS)}, got {variant!r}"
+        )
     if quantize is not None and quantize not in QUANTIZATIONS:
-        raise ValueError(f"quantize must be None or one of {QUANTIZATIONS}, got {quantize!r}")
+        raise DiffulexEdgeError(
+            f"quantize must be None or one of {QUANTIZATIONS}, got {quantize!r}"
+        )
     layout = StaticCacheLayout.for_model(model.config, max_seq=max_seq, block_size=block_size)
     if max_seq > model.config.max_position_embeddings:
-        raise ValueError(
+        raise DiffulexEdgeError(
             f"max_seq {max_seq} exceeds the model's max_position_embeddings "
             f"{model.config.max_position_embeddings}"
         )
     graph_cls = EXPORT_VARIANTS[variant]
-    metadata = program_metadata(model, layout, variant)
+    config = model.config
+    metadata = program_metadata(config, layout.block_size, layout.max_seq, variant)
     if quantize == "8da4w":
         import copy
 
@@ -182,4 +210,7 @@ def export_pte(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return ExportResult(path, variant, layout, quantize, len(buffer))
+    from diffulex_edge.pte_record import write_record
+
+    record = write_record(path, bytes(buffer), variant, quantize, config, block_size, max_seq)
+    return ExportResult(path, variant, layout, quantize, len(buffer), record)

@@ -1,8 +1,10 @@
 """Run block-diffusion generation on an exported ``.pte`` through ``executorch.runtime``.
 
-The engine reads the program's constant methods (what it was exported for), checks them
-and the forward method's input shapes before the first step, owns the static KV cache, and
-builds every mask on the CPU with :mod:`diffulex_edge.masks`.
+The engine reads the program once into memory and verifies it against its integrity record
+(``<name>.pte.json``, :mod:`diffulex_edge.pte_record`) before ExecuTorch sees a byte, then
+loads those same bytes. It reads the program's constant methods (what it was exported for),
+checks them against the record and the forward method's input shapes before the first step,
+owns the static KV cache, and builds every mask on the CPU with :mod:`diffulex_edge.masks`.
 """
 
 from __future__ import annotations
@@ -13,25 +15,24 @@ import torch
 
 from diffulex_edge.backends import StaticCacheBackend
 from diffulex_edge.config import SDARConfig
-from diffulex_edge.export import EXPORT_VARIANTS, PTE_FORMAT_VERSION, config_digest
+from diffulex_edge.errors import DiffulexEdgeError
+from diffulex_edge.export import EXPORT_VARIANTS, META_KEYS, PTE_FORMAT_VERSION, config_digest
 from diffulex_edge.generate import GenerationConfig, GenerationResult, generate
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
+from diffulex_edge.pte_record import read_verified_program, record_path
 
 _VARIANT_BY_ID = {cls.variant_id: name for name, cls in EXPORT_VARIANTS.items()}
-_META_KEYS = (
-    "diffulex_format_version",
-    "variant_id",
-    "num_layers",
-    "kv_heads",
-    "head_dim",
-    "vocab_size",
-    "block_size",
-    "max_seq",
-    "mask_token_id",
-    "eos_token_id",
-    "config_digest",
-)
+
+
+def _check_identifier(path: Path, data: bytes) -> None:
+    """A .pte is a flatbuffer whose file identifier (bytes 4-8) is ``ET`` and two digits."""
+    ident = data[4:8]
+    if len(data) < 8 or ident[:2] != b"ET" or not ident[2:].isdigit():
+        raise DiffulexEdgeError(
+            f"{path} is not an ExecuTorch program: bytes 4-8 are {ident!r}, expected the "
+            "identifier b'ET' + two digits (e.g. b'ET12')"
+        )
 
 
 class PteBackend(StaticCacheBackend):
@@ -75,47 +76,132 @@ class PteBackend(StaticCacheBackend):
 class PteEngine:
     """Load a diffulex ``.pte`` and generate with it.
 
+    The program must match its integrity record ``<path>.json`` (written by
+    :func:`export_pte`): its size and SHA-256 are checked on the bytes read, which are the
+    bytes ExecuTorch then loads. A program without a record, or that fails the check, is
+    refused with :class:`DiffulexEdgeError`. ``allow_unverified=True`` loads it anyway: the
+    engine still checks the file identifier and the program's constants, but a damaged
+    program can then crash the process inside ExecuTorch.
+
     ``expected_config``: when given, the program must have been exported from a model with
-    exactly this config (compared by digest), else ``ValueError``.
+    exactly this config (compared by digest), else :class:`DiffulexEdgeError`.
     """
 
-    def __init__(self, path: str | Path, expected_config: SDARConfig | None = None) -> None:
-        from executorch.runtime import Runtime
-
+    def __init__(
+        self,
+        path: str | Path,
+        expected_config: SDARConfig | None = None,
+        *,
+        allow_unverified: bool = False,
+    ) -> None:
+        if not isinstance(allow_unverified, bool):
+            raise DiffulexEdgeError(f"allow_unverified must be a bool, got {allow_unverified!r}")
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no .pte at {path}")
         self.path = path
-        self.program = Runtime.get().load_program(path)
-        names = self.program.method_names
-        missing = [k for k in _META_KEYS if k not in names]
-        if missing or "forward" not in names:
-            raise ValueError(f"{path} is not a diffulex-edge program (missing methods {missing})")
-        self.meta = {k: int(self.program.load_method(k).execute([])[0]) for k in _META_KEYS}
-        if self.meta["diffulex_format_version"] != PTE_FORMAT_VERSION:
-            raise ValueError(
-                f"{path} has format version {self.meta['diffulex_format_version']}, "
-                f"this engine reads {PTE_FORMAT_VERSION}"
-            )
+        if allow_unverified:
+            data, self.record = path.read_bytes(), None
+        else:
+            data, self.record = read_verified_program(path)
+        _check_identifier(path, data)
+        self.verified = self.record is not None
+        self.pte_bytes = len(data)
+        self.program = self._load(data)
+        self.meta = self._read_meta()
+        if self.record is not None:
+            diffs = {
+                k: (self.meta[k], self.record.metadata[k])
+                for k in META_KEYS
+                if self.meta[k] != self.record.metadata[k]
+            }
+            if diffs:
+                raise DiffulexEdgeError(
+                    f"{path}: the program's constants disagree with {record_path(path).name} "
+                    f"(program vs record: {diffs})"
+                )
         if expected_config is not None:
             self.check_config(expected_config)
         self.variant = _VARIANT_BY_ID[self.meta["variant_id"]]
-        self.layout = StaticCacheLayout(
-            num_layers=self.meta["num_layers"],
-            batch=1,
-            kv_heads=self.meta["kv_heads"],
-            max_seq=self.meta["max_seq"],
-            head_dim=self.meta["head_dim"],
-            block_size=self.meta["block_size"],
-        )
-        method = self.program.load_method("forward")
-        cache_meta = method.metadata.input_tensor_meta(2)
-        if tuple(cache_meta.sizes()) != self.layout.shape:
-            raise ValueError(
-                f"{path}: forward's kv_cache input is {tuple(cache_meta.sizes())}, its metadata "
+        try:
+            self.layout = StaticCacheLayout(
+                num_layers=self.meta["num_layers"],
+                batch=1,
+                kv_heads=self.meta["kv_heads"],
+                max_seq=self.meta["max_seq"],
+                head_dim=self.meta["head_dim"],
+                block_size=self.meta["block_size"],
+            )
+        except ValueError as err:
+            raise DiffulexEdgeError(
+                f"{path}: the program's cache geometry is invalid: {err}"
+            ) from err
+        try:
+            method = self.program.load_method("forward")
+            cache_meta = method.metadata.input_tensor_meta(2)
+            cache_shape = tuple(cache_meta.sizes())
+        except RuntimeError as err:
+            raise DiffulexEdgeError(f"ExecuTorch could not load {path}'s forward: {err}") from err
+        if cache_shape != self.layout.shape:
+            raise DiffulexEdgeError(
+                f"{path}: forward's kv_cache input is {cache_shape}, its metadata "
                 f"says {self.layout.shape}"
             )
         self.backend = PteBackend(method, self.variant, self.layout)
+
+    def _load(self, data: bytes):
+        from executorch.runtime import Runtime
+
+        try:
+            return Runtime.get().load_program(data)
+        except RuntimeError as err:
+            raise DiffulexEdgeError(
+                f"ExecuTorch could not load {self.path} as a program ({err}); the file is "
+                "damaged or not a .pte"
+            ) from err
+
+    def _read_meta(self) -> dict[str, int]:
+        path = self.path
+        names = self.program.method_names
+        missing = [k for k in META_KEYS if k not in names]
+        if missing or "forward" not in names:
+            raise DiffulexEdgeError(
+                f"{path} is not a diffulex-edge program (missing methods "
+                f"{missing + ([] if 'forward' in names else ['forward'])})"
+            )
+        meta = {}
+        for k in META_KEYS:
+            try:
+                out = self.program.load_method(k).execute([])
+            except RuntimeError as err:
+                raise DiffulexEdgeError(f"{path}: constant method {k} failed: {err}") from err
+            if len(out) != 1 or not isinstance(out[0], int) or isinstance(out[0], bool):
+                raise DiffulexEdgeError(
+                    f"{path}: constant method {k} returned {out!r}, expected an int"
+                )
+            meta[k] = out[0]
+        if meta["diffulex_format_version"] != PTE_FORMAT_VERSION:
+            raise DiffulexEdgeError(
+                f"{path} has format version {meta['diffulex_format_version']}, "
+                f"this engine reads {PTE_FORMAT_VERSION}"
+            )
+        if meta["variant_id"] not in _VARIANT_BY_ID:
+            raise DiffulexEdgeError(
+                f"{path}: variant_id {meta['variant_id']} is unknown, expected one of "
+                f"{sorted(_VARIANT_BY_ID)} ({_VARIANT_BY_ID})"
+            )
+        for k in ("mask_token_id", "eos_token_id"):
+            if not -1 <= meta[k] < meta["vocab_size"]:
+                raise DiffulexEdgeError(
+                    f"{path}: {k} {meta[k]} is outside [-1, vocab_size {meta['vocab_size']})"
+                )
+        return meta
+
+    @property
+    def config(self) -> SDARConfig | None:
+        """The config the program was exported from (from the verified record), or None
+        for an unverified program."""
+        return None if self.record is None else self.record.config
 
     def check_config(self, config: SDARConfig) -> None:
         got = {
@@ -126,7 +212,7 @@ class PteEngine:
         }
         diffs = {k: (self.meta[k], v) for k, v in got.items() if self.meta[k] != v}
         if diffs or self.meta["config_digest"] != config_digest(config):
-            raise ValueError(
+            raise DiffulexEdgeError(
                 f"{self.path} was exported for another model config "
                 f"(pte vs given: {diffs or 'same shapes, different config digest'})"
             )
@@ -139,11 +225,7 @@ class PteEngine:
     def eos_token_id(self) -> int | None:
         return None if self.meta["eos_token_id"] < 0 else self.meta["eos_token_id"]
 
-    @property
-    def pte_bytes(self) -> int:
-        return self.path.stat().st_size
-
     def generate(self, prompt_ids, config: GenerationConfig) -> GenerationResult:
         if self.mask_token_id < 0:
-            raise ValueError(f"{self.path} was exported from a config without mask_token_id")
+            raise DiffulexEdgeError(f"{self.path} was exported from a config without mask_token_id")
         return generate(self.backend, prompt_ids, config, self.mask_token_id, self.eos_token_id)
