@@ -14,8 +14,6 @@ renders the JSON into the READMEs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
 import subprocess
 import sys
@@ -42,7 +40,6 @@ from diffulex_edge.measure import (
 )
 from diffulex_edge.model import random_model
 from diffulex_edge.runtime import PteEngine
-from membound_testing import machine_info
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -59,39 +56,20 @@ def mib(n: int) -> float:
 
 
 def write(name: str, title: str, columns, rows, targets, notes) -> dict:
-    result = {
-        "package": "diffulex-edge",
-        "benchmark": name,
-        "title": title,
-        "command": COMMAND,
-        "machine": machine_info(),
-        "columns": columns,
-        "rows": rows,
-        "targets": targets,
-        "notes": notes,
-    }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / f"{name}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, RESULTS / f"{name}.json")
-    print(render(result))
-    return result
+    """results/<name>.json through membound's one results writer (atomic), and its table."""
+    from membound_testing.results import write_result
 
-
-def render(result: dict) -> str:
-    cols = result["columns"]
-    lines = [f"### {result['title']}", ""]
-    lines.append("| " + " | ".join(map(str, cols)) + " |")
-    lines.append("|" + "---|" * len(cols))
-    lines += ["| " + " | ".join(map(str, r)) + " |" for r in result["rows"]]
-    if result["targets"]:
-        lines += ["", "| target | measured | met |", "|---|---|---|"]
-        lines += [
-            f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |"
-            for t in result["targets"]
-        ]
-    lines += ["", f"Notes: {result['notes']}", ""]
-    return "\n".join(lines)
+    return write_result(
+        RESULTS,
+        package="diffulex-edge",
+        name=name,
+        title=title,
+        command=COMMAND,
+        columns=columns,
+        rows=rows,
+        targets=targets,
+        notes=notes,
+    )
 
 
 def _vm_rss() -> int:
