@@ -51,7 +51,7 @@ def read_model_config(path: Path, data: bytes, model_types, tensor_names) -> dic
     if not isinstance(cfg, dict):
         raise ExpertCacheError(f"{path}: expected a JSON object")
     model_type = cfg.get("model_type")
-    if model_type not in model_types:
+    if not isinstance(model_type, str) or model_type not in model_types:
         raise ExpertCacheError(
             f"{path}: model_type {model_type!r} has no MoE layers this package serves; "
             f"expected one of {sorted(model_types)}"

@@ -146,6 +146,7 @@ class SafetensorsShard:
         count = prod(shape)
         view = np.frombuffer(self._map, dtype=np_dtype, count=count, offset=begin)
         if crc32 is not None and zlib.crc32(view) != crc32:
+            del view  # a live view of the map would keep close() from unmapping it
             where = f"tensor {info.name!r}" + ("" if row is None else f" row {row}")
             raise ExpertCacheError(
                 f"{self.path}: {where} fails its CRC-32 from the integrity record "
