@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import decode_bench
+import fuzz
 import simulator_bench
 
 
@@ -12,6 +13,7 @@ def main() -> None:
     quick = "--quick" in sys.argv[1:]
     simulator_bench.run(quick)
     decode_bench.run(quick)
+    fuzz.run(100 if quick else 2000, quick=quick)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 
 from moe_expert_cache import (
     CacheConfig,
+    ExpertCacheError,
     RouterTrace,
     adaptive_capacity,
     generate,
@@ -76,7 +77,7 @@ def test_corrupted_trace(tmp_path):
     with pytest.raises(ValueError, match="checksum"):
         RouterTrace.load(tmp_path / "bad")
     (tmp_path / "short").write_bytes(bytes(data[:-4]))
-    with pytest.raises(ValueError, match="payload"):
+    with pytest.raises(ExpertCacheError, match="checksum"):
         RouterTrace.load(tmp_path / "short")
 
 

@@ -45,9 +45,9 @@ def test_only_expert_rows_are_read_and_misses_cost_one_expert(model_dir, monkeyp
     reads = []
     original = SafetensorsShard.read
 
-    def spy(self, info, row=None):
+    def spy(self, info, row=None, crc32=None):
         reads.append((info.shape, row))
-        return original(self, info, row)
+        return original(self, info, row, crc32)
 
     monkeypatch.setattr(SafetensorsShard, "read", spy)
     cached = load_cached_model(model_dir("mixtral", 4), CacheConfig(capacity=3))

@@ -3,7 +3,8 @@
 from moe_expert_cache.__about__ import __version__
 from moe_expert_cache.cached_layers import PredictiveCachedSwitchLinear
 from moe_expert_cache.config import MODES, CacheConfig
-from moe_expert_cache.expert_store import ExpertStore
+from moe_expert_cache.errors import ExpertCacheError, MissingShardError
+from moe_expert_cache.expert_store import ExpertStore, seal_model
 from moe_expert_cache.generate import GenerationResult, generate
 from moe_expert_cache.layer_cache import LayerCache, LayerMetrics
 from moe_expert_cache.loader import CachedModel, find_moe_blocks, load_cached_model, patch_model
@@ -26,12 +27,14 @@ __all__ = [
     "CachedModel",
     "CachedMoeBlock",
     "EvictionPolicy",
+    "ExpertCacheError",
     "ExpertCacheManager",
     "ExpertSlots",
     "ExpertStore",
     "GenerationResult",
     "LayerCache",
     "LayerMetrics",
+    "MissingShardError",
     "PredictiveCachedSwitchLinear",
     "RouterTrace",
     "__version__",
@@ -45,6 +48,7 @@ __all__ = [
     "pinned_experts",
     "random_moe_config",
     "read_state",
+    "seal_model",
     "simulate",
     "synthetic_trace",
     "usage_share",

@@ -6,21 +6,25 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from moe_expert_cache.errors import ExpertCacheError
+
 
 def check_projection(stock: nn.Module, params) -> bool:
     """Whether ``stock`` is a quantized projection whose checkpoint tensors ``params``
     (names: weight, scales, biases, bias) we can serve; raises when we cannot."""
     if isinstance(stock, QuantizedSwitchLinear):
         if stock.global_scale is not None:
-            raise ValueError("experts quantized with a global scale (nvfp4) are not supported")
+            raise ExpertCacheError(
+                "experts quantized with a global scale (nvfp4) are not supported"
+            )
         quantized = True
     elif isinstance(stock, SwitchLinear):
         quantized = False
     else:
-        raise TypeError(f"expected SwitchLinear or QuantizedSwitchLinear, got {type(stock)}")
+        raise ExpertCacheError(f"expected SwitchLinear or QuantizedSwitchLinear, got {type(stock)}")
     if quantized != ("scales" in params):
         kind = "quantized" if quantized else "float"
-        raise ValueError(
+        raise ExpertCacheError(
             f"the checkpoint's expert tensors {sorted(params)} do not match a {kind} projection"
         )
     return quantized

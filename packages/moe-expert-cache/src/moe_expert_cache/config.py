@@ -5,9 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.policies import POLICIES
 
 MODES = ("exact", "skip")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -22,7 +29,9 @@ class CacheConfig:
     ``pinned``: MoE layer number -> experts that never leave. ``initial``: MoE layer number
     -> experts to load first (a warm start). ``max_layer_updates``: at most this many layers
     swap per between-token update; ``max_swaps_per_layer``: at most this many swaps each
-    (``None``: no limit).
+    (``None``: no limit). ``num_experts`` / ``top_k``: when set (a warm start from a saved
+    state, see :func:`moe_expert_cache.config_from_state`), the model must have exactly
+    these experts per MoE layer and this top-k.
     """
 
     capacity: float | int | Sequence[int] = 0.5
@@ -32,32 +41,62 @@ class CacheConfig:
     initial: Mapping[int, Sequence[int]] = field(default_factory=dict)
     max_layer_updates: int | None = None
     max_swaps_per_layer: int | None = None
+    num_experts: Sequence[int] | None = None
+    top_k: int | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise ExpertCacheError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+            raise ExpertCacheError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         c = self.capacity
-        if isinstance(c, bool) or not isinstance(c, (int, float, Sequence)):
-            raise ValueError(f"capacity must be a float share, an int or a list, got {c!r}")
+        if isinstance(c, (bool, str, bytes)) or not isinstance(c, (int, float, Sequence)):
+            raise ExpertCacheError(f"capacity must be a float share, an int or a list, got {c!r}")
         if isinstance(c, float) and not 0.0 < c <= 1.0:
-            raise ValueError(f"capacity as a share must be in (0, 1], got {c}")
-        if isinstance(c, Sequence) and not all(
-            isinstance(n, int) and not isinstance(n, bool) for n in c
-        ):
-            raise ValueError(f"per-layer capacity must be a list of ints, got {c!r}")
-        for name in ("max_layer_updates", "max_swaps_per_layer"):
+            raise ExpertCacheError(f"capacity as a share must be in (0, 1], got {c}")
+        if isinstance(c, Sequence) and not all(_is_int(n) for n in c):
+            raise ExpertCacheError(f"per-layer capacity must be a list of ints, got {c!r}")
+        for name in ("max_layer_updates", "max_swaps_per_layer", "top_k"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ExpertCacheError(f"{name} must be None or an int >= 0, got {v!r}")
+        if self.num_experts is not None and (
+            isinstance(self.num_experts, (str, bytes))
+            or not isinstance(self.num_experts, Sequence)
+            or not all(_is_int(n) and n >= 1 for n in self.num_experts)
+        ):
+            raise ExpertCacheError(
+                f"num_experts must be None or a list of ints >= 1, got {self.num_experts!r}"
+            )
+        for name in ("pinned", "initial"):
+            v = getattr(self, name)
+            if not isinstance(v, Mapping) or not all(
+                _is_int(k)
+                and k >= 0
+                and isinstance(ids, Sequence)
+                and not isinstance(ids, (str, bytes))
+                and all(_is_int(e) for e in ids)
+                for k, ids in v.items()
+            ):
+                raise ExpertCacheError(
+                    f"{name} must map MoE layer numbers to lists of int expert ids, got {v!r}"
+                )
 
     def layer_capacities(self, num_experts: Sequence[int], top_k: int) -> list[int]:
         """Resident experts per MoE layer, checked against ``top_k`` and each layer's size."""
+        if self.num_experts is not None and list(self.num_experts) != list(num_experts):
+            raise ExpertCacheError(
+                f"the saved state is for {list(self.num_experts)} experts per MoE layer, the "
+                f"model has {list(num_experts)}"
+            )
+        if self.top_k is not None and self.top_k != top_k:
+            raise ExpertCacheError(
+                f"the saved state is for top_k={self.top_k}, the model routes top_k={top_k}"
+            )
         c = self.capacity
         if isinstance(c, Sequence):
             if len(c) != len(num_experts):
-                raise ValueError(
+                raise ExpertCacheError(
                     f"capacity lists {len(c)} layers, the model has {len(num_experts)} MoE layers"
                 )
             caps = list(c)
@@ -67,7 +106,7 @@ class CacheConfig:
             caps = [c] * len(num_experts)
         for i, (cap, e) in enumerate(zip(caps, num_experts, strict=True)):
             if not top_k <= cap <= e:
-                raise ValueError(
+                raise ExpertCacheError(
                     f"capacity {c!r} gives {cap} experts in MoE layer {i}; expected between "
                     f"top_k={top_k} and num_experts={e}"
                 )

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.manager import ExpertCacheManager
 
 
@@ -40,9 +42,21 @@ def generate(
     same loop runs the stock model, so the two time the same work.
     """
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise ExpertCacheError(f"max_tokens must be >= 1, got {max_tokens}")
     if len(prompt_ids) < 1:
-        raise ValueError("prompt_ids must hold at least one token")
+        raise ExpertCacheError("prompt_ids must hold at least one token")
+    # An id past the embedding table is an out-of-bounds read inside MLX (a segfault).
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    limit = vocab if isinstance(vocab, int) else 2**31
+    bad = [
+        t
+        for t in prompt_ids
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < limit
+    ]
+    if bad:
+        raise ExpertCacheError(
+            f"prompt_ids must be token ids in [0, vocab_size={vocab}), got {bad[:5]}"
+        )
     kv = make_prompt_cache(model)
     start = time.perf_counter()
     logits = model(mx.array(list(prompt_ids))[None], cache=kv)  # (1, L, vocab)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +13,14 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from moe_expert_cache.cached_layers import PredictiveCachedSwitchLinear, check_projection
 from moe_expert_cache.config import CacheConfig
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.expert_store import PROJECTIONS, ExpertStore
 from moe_expert_cache.layer_cache import LayerCache
 from moe_expert_cache.manager import ExpertCacheManager
+from moe_expert_cache.model_config import read_model_config
 from moe_expert_cache.moe_blocks import BLOCKS, block_top_k
 from moe_expert_cache.policies import make_policy
+from moe_expert_cache.safetensors_io import FLOAT_DTYPES, TensorInfo
 from moe_expert_cache.slots import ExpertSlots
 
 MOE_ATTRS = ("mlp", "block_sparse_moe")
@@ -51,15 +53,32 @@ def _model_classes(config: dict):
     try:
         arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     except ImportError as e:
-        raise ValueError(f"model_type {model_type!r} is not an mlx-lm architecture") from e
+        raise ExpertCacheError(f"model_type {model_type!r} is not an mlx-lm architecture") from e
     return arch.Model, arch.ModelArgs
+
+
+def _check_expert_shapes(stock: nn.Module, infos: dict[str, TensorInfo], where: str) -> None:
+    """The checkpoint's stacked expert tensors have the stock projection's shapes and kinds."""
+    params = dict(tree_flatten(stock.parameters()))
+    if set(params) != set(infos):
+        raise ExpertCacheError(
+            f"{where}: the checkpoint has {sorted(infos)}, the model expects {sorted(params)}"
+        )
+    for name, param in params.items():
+        info = infos[name]
+        if info.shape != tuple(param.shape) or (info.dtype in FLOAT_DTYPES) != _is_float(param):
+            raise ExpertCacheError(
+                f"{info.shard}: expert tensor {info.name!r} is {info.dtype} {list(info.shape)}, "
+                f"expected {'a float' if _is_float(param) else 'an integer'} tensor of shape "
+                f"{list(param.shape)} for this config.json"
+            )
 
 
 def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> ExpertCacheManager:
     """Replace every MoE block of ``model`` with its cached version and fill the caches."""
     found = find_moe_blocks(model)
     if not found:
-        raise ValueError(
+        raise ExpertCacheError(
             f"{type(model).__module__} has no MoE layers "
             f"(no layer.mlp.switch_mlp or layer.block_sparse_moe.switch_mlp)"
         )
@@ -67,15 +86,19 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
     for block, (_, _, path) in zip(blocks, found, strict=True):
         if type(block) not in BLOCKS:
             names = sorted(c.__name__ for c in BLOCKS)
-            raise ValueError(f"{path}: MoE block {type(block).__name__} is not one of {names}")
+            raise ExpertCacheError(
+                f"{path}: MoE block {type(block).__name__} is not one of {names}"
+            )
         if not isinstance(block.switch_mlp, SwitchGLU):
-            raise ValueError(
+            raise ExpertCacheError(
                 f"{path}: switch_mlp is {type(block.switch_mlp).__name__}, not SwitchGLU"
             )
         if path not in store.blocks:
-            raise ValueError(f"{path}: no stacked expert tensors in {store.model_dir}")
+            raise ExpertCacheError(f"{path}: no stacked expert tensors in {store.model_dir}")
         for proj in PROJECTIONS:
-            check_projection(getattr(block.switch_mlp, proj), store.blocks[path][proj])
+            stock = getattr(block.switch_mlp, proj)
+            check_projection(stock, store.blocks[path][proj])
+            _check_expert_shapes(stock, store.blocks[path][proj], f"{path}.switch_mlp.{proj}")
     sizes = [store.num_experts(path) for _, _, path in found]
     top_k = block_top_k(blocks[0])
     capacities = config.layer_capacities(sizes, top_k)
@@ -98,24 +121,66 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
     return ExpertCacheManager(layers, config, top_k)
 
 
+def _supported_model_types() -> set[str]:
+    return {cls.__module__.rsplit(".", 1)[1] for cls in BLOCKS}
+
+
+def _check_weights(model: nn.Module, weights: dict[str, mx.array], skip: tuple, where) -> None:
+    """Every non-expert parameter of ``model`` has a tensor of its shape and kind (float or
+    integer) in ``weights``, and ``weights`` holds nothing else."""
+    params = {n: p for n, p in tree_flatten(model.parameters()) if not n.startswith(skip)}
+    missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or extra:
+        raise ExpertCacheError(f"{where}: weights missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, param in params.items():
+        w = weights[name]
+        if w.shape != param.shape or _is_float(w) != _is_float(param):
+            raise ExpertCacheError(
+                f"{where}: tensor {name!r} is {w.dtype} {tuple(w.shape)}, expected "
+                f"{'a float' if _is_float(param) else 'an integer'} tensor of shape "
+                f"{tuple(param.shape)} for this config.json"
+            )
+
+
+def _is_float(a: mx.array) -> bool:
+    return mx.issubdtype(a.dtype, mx.floating)
+
+
 def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) -> CachedModel:
     """Load ``model_dir`` (mlx-lm layout: ``config.json`` + ``model*.safetensors``) with
     only ``config.capacity`` experts per MoE layer resident.
 
     Non-expert weights are read and materialised; expert tensors are read one expert at a
     time by byte range. Raises ``FileNotFoundError`` for a missing directory or shard and
-    ``ValueError`` for a truncated shard, a model without MoE layers or a bad capacity.
+    :class:`ExpertCacheError` (a ``ValueError``) for a damaged or inconsistent shard or
+    ``config.json``, a model without MoE layers or a bad capacity.
     """
     config = config or CacheConfig()
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
-    model_config = json.loads(cfg_path.read_text())
-    model_class, args_class = _model_classes(model_config)
     store = ExpertStore(model_dir)
+    try:
+        return _load(model_dir, cfg_path, store, config)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: CacheConfig):
+    data = cfg_path.read_bytes()
+    store.check_file("config.json", data)
+    model_config = read_model_config(cfg_path, data, _supported_model_types(), store._infos)
+    model_class, args_class = _model_classes(model_config)
     # Built lazily: the stock random expert tables are replaced before anything evaluates them.
-    model = model_class(args_class.from_dict(model_config))
+    try:
+        model = model_class(args_class.from_dict(model_config))
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        raise ExpertCacheError(
+            f"{cfg_path}: mlx-lm cannot build a {model_config['model_type']} model from it: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     weights = store.non_expert_weights()
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
@@ -133,17 +198,14 @@ def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) 
             bits=quantization["bits"],
             mode=quantization.get("mode", "affine"),
             class_predicate=lambda p, m: (
-                hasattr(m, "to_quantized") and (f"{p}.scales" in weights or p in expert_quantized)
+                hasattr(m, "to_quantized")
+                and (f"{p}.scales" in weights or p in expert_quantized)
+                and m.weight.shape[-1] % quantization["group_size"] == 0
             ),
         )
     manager = patch_model(model, store, config)
     expert_prefixes = tuple(f"{layer.block_path}.switch_mlp." for layer in manager.layers)
-    expected = {
-        name for name, _ in tree_flatten(model.parameters()) if not name.startswith(expert_prefixes)
-    }
-    missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-    if missing or extra:
-        raise ValueError(f"{model_dir}: weights missing {missing[:5]}, unexpected {extra[:5]}")
+    _check_weights(model, weights, expert_prefixes, model_dir)
     model.load_weights(list(weights.items()), strict=False)
     mx.eval(model.parameters())
     model.eval()

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
+from moe_expert_cache.checked_json import dumps_checksummed, is_int, loads_checksummed, write_atomic
 from moe_expert_cache.config import CacheConfig
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.layer_cache import LayerCache, LayerMetrics
 from moe_expert_cache.trace import RouterTrace
 
-STATE_FORMAT, STATE_VERSION = "moe-expert-cache-state", 1
+STATE_FORMAT, STATE_VERSION = "moe-expert-cache-state", 2
+STATE_KEYS = ("num_experts", "pinned", "resident", "top_k")
 
 
 class ExpertCacheManager:
@@ -70,43 +70,73 @@ class ExpertCacheManager:
         return sum(layer.slots.num_experts * layer.expert_nbytes for layer in self.layers)
 
     def state(self) -> dict:
-        """Which experts are resident (slot order) and pinned, per MoE layer."""
+        """Which experts are resident (slot order) and pinned, per MoE layer, and the
+        model's experts per layer and top-k they apply to."""
         return {
+            "num_experts": [layer.slots.num_experts for layer in self.layers],
+            "top_k": self.top_k,
             "resident": [[int(e) for e in layer.slots.slot_to_expert] for layer in self.layers],
             "pinned": [sorted(layer.slots.pinned) for layer in self.layers],
         }
 
     def save_state(self, path: str | Path) -> None:
-        """Write :meth:`state` to ``path`` (JSON with format, version and SHA-256)."""
-        path = Path(path)
-        body = json.dumps(self.state(), sort_keys=True)
-        doc = {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "sha256": hashlib.sha256(body.encode()).hexdigest(),
-            "state": json.loads(body),
-        }
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
+        """Write :meth:`state` to ``path``: JSON with format and version, under a SHA-256
+        of the whole file."""
+        doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "state": self.state()}
+        write_atomic(path, dumps_checksummed(doc))
 
 
 def read_state(path: str | Path) -> dict:
-    """A state saved by :meth:`ExpertCacheManager.save_state`, validated."""
-    doc = json.loads(Path(path).read_text())
+    """A state saved by :meth:`ExpertCacheManager.save_state`, verified and validated:
+    every expert id an integer in range, residents distinct and within capacity, pinned
+    experts resident and leaving ``top_k`` free slots."""
+    doc = loads_checksummed(Path(path).read_bytes(), str(path))
     if doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
-        raise ValueError(
+        raise ExpertCacheError(
             f"{path}: not a {STATE_FORMAT} v{STATE_VERSION} file "
             f"(format {doc.get('format')!r}, version {doc.get('version')!r})"
         )
-    body = json.dumps(doc["state"], sort_keys=True)
-    if hashlib.sha256(body.encode()).hexdigest() != doc["sha256"]:
-        raise ValueError(f"{path}: checksum mismatch (corrupted cache state)")
-    return doc["state"]
+    state = doc.get("state")
+    if not isinstance(state, dict) or sorted(state) != sorted(STATE_KEYS):
+        raise ExpertCacheError(f"{path}: state must hold exactly {list(STATE_KEYS)}")
+    sizes, top_k = state["num_experts"], state["top_k"]
+    if not isinstance(sizes, list) or not sizes or not all(is_int(e) and e >= 1 for e in sizes):
+        raise ExpertCacheError(f"{path}: num_experts {sizes!r}, expected a list of ints >= 1")
+    if not is_int(top_k) or not 1 <= top_k <= min(sizes):
+        raise ExpertCacheError(f"{path}: top_k {top_k!r}, expected an int in [1, {min(sizes)}]")
+    for name in ("resident", "pinned"):
+        lists = state[name]
+        if not isinstance(lists, list) or len(lists) != len(sizes):
+            raise ExpertCacheError(f"{path}: {name} must hold one list per MoE layer")
+        for layer, (experts, size) in enumerate(zip(lists, sizes, strict=True)):
+            if not isinstance(experts, list) or not all(
+                is_int(e) and 0 <= e < size for e in experts
+            ):
+                raise ExpertCacheError(
+                    f"{path}: {name} experts of MoE layer {layer} are {experts!r}, expected "
+                    f"integer expert ids in [0, {size})"
+                )
+            if len(set(experts)) != len(experts):
+                raise ExpertCacheError(f"{path}: MoE layer {layer} repeats a {name} expert")
+    for layer, (resident, pinned) in enumerate(
+        zip(state["resident"], state["pinned"], strict=True)
+    ):
+        if not top_k <= len(resident) <= sizes[layer]:
+            raise ExpertCacheError(
+                f"{path}: MoE layer {layer} has {len(resident)} resident experts, expected "
+                f"between top_k={top_k} and num_experts={sizes[layer]}"
+            )
+        if not set(pinned) <= set(resident) or len(pinned) > len(resident) - top_k:
+            raise ExpertCacheError(
+                f"{path}: pinned experts {pinned} of MoE layer {layer} must be resident and "
+                f"leave top_k={top_k} of the {len(resident)} slots free"
+            )
+    return state
 
 
 def config_from_state(config: CacheConfig, state: dict) -> CacheConfig:
-    """``config`` warm-started from ``state``: same capacities, residents and pins."""
+    """``config`` warm-started from ``state``: same capacities, residents and pins (the
+    model must have the state's experts per layer and top-k)."""
     return CacheConfig(
         capacity=[len(r) for r in state["resident"]],
         mode=config.mode,
@@ -115,4 +145,6 @@ def config_from_state(config: CacheConfig, state: dict) -> CacheConfig:
         initial=dict(enumerate(state["resident"])),
         max_layer_updates=config.max_layer_updates,
         max_swaps_per_layer=config.max_swaps_per_layer,
+        num_experts=state["num_experts"],
+        top_k=state["top_k"],
     )

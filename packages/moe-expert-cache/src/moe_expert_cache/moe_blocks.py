@@ -17,6 +17,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.layer_cache import LayerCache
 
 
@@ -141,7 +142,7 @@ class CachedQwen3MoeBlock(CachedMoeBlock):
 
     def __init__(self, stock, cache):
         if stock.sharding_group is not None:
-            raise ValueError("sharded (distributed) Qwen3-MoE blocks are not supported")
+            raise ExpertCacheError("sharded (distributed) Qwen3-MoE blocks are not supported")
         super().__init__(stock, cache)
         self.norm_topk_prob = stock.norm_topk_prob
 

@@ -13,6 +13,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from moe_expert_cache.errors import ExpertCacheError
+
 
 class EvictionPolicy(ABC):
     """Statistics of one layer's ``num_experts`` experts and the eviction order they imply."""
@@ -21,7 +23,7 @@ class EvictionPolicy(ABC):
 
     def __init__(self, num_experts: int):
         if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+            raise ExpertCacheError(f"num_experts must be >= 1, got {num_experts}")
         self.num_experts = num_experts
         self.frequency = np.zeros(num_experts, dtype=np.float64)
         self.last_use = np.full(num_experts, -1, dtype=np.int64)  # step of the latest request
@@ -75,9 +77,9 @@ class LCPPolicy(EvictionPolicy):
     def __init__(self, num_experts: int, decay: float = 0.25, horizon: float = 128.0):
         super().__init__(num_experts)
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"decay must be in (0, 1), got {decay}")
+            raise ExpertCacheError(f"decay must be in (0, 1), got {decay}")
         if horizon <= 0:
-            raise ValueError(f"horizon must be > 0, got {horizon}")
+            raise ExpertCacheError(f"horizon must be > 0, got {horizon}")
         self.decay, self.horizon = decay, horizon
 
     def priority(self, experts: np.ndarray, step: int) -> np.ndarray:
@@ -92,5 +94,5 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 def make_policy(name: str, num_experts: int) -> EvictionPolicy:
     if name not in POLICIES:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+        raise ExpertCacheError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
     return POLICIES[name](num_experts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.trace import RouterTrace
 
 
@@ -23,7 +24,7 @@ def pinned_experts(
     """Per MoE layer, the experts used by more than ``threshold`` of the profiled tokens,
     most used first, at most ``max_per_layer`` (pass ``capacity - top_k``)."""
     if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        raise ExpertCacheError(f"threshold must be in [0, 1], got {threshold}")
     out = {}
     for layer, share in enumerate(usage_share(trace)):
         experts = [int(e) for e in np.argsort(-share, kind="stable") if share[e] > threshold]
@@ -37,7 +38,7 @@ def adaptive_capacity(trace: RouterTrace, total: int) -> list[int]:
     share of tokens (greedy coverage of the profiled requests)."""
     n_layers, k = trace.num_layers, trace.top_k
     if not n_layers * k <= total <= n_layers * trace.num_experts:
-        raise ValueError(
+        raise ExpertCacheError(
             f"total must be in [{n_layers * k}, {n_layers * trace.num_experts}], got {total}"
         )
     ranked = -np.sort(-usage_share(trace), axis=1)  # (layers, experts), most used first

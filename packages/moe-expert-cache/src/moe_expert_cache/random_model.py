@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from moe_expert_cache.errors import ExpertCacheError
+from moe_expert_cache.expert_store import seal_model
 from moe_expert_cache.loader import _model_classes
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -33,7 +35,7 @@ def random_moe_config(
 ) -> dict:
     """An mlx-lm ``config.json`` for a small ``model_type`` MoE (every layer sparse)."""
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type must be one of {ARCHITECTURES}, got {model_type!r}")
+        raise ExpertCacheError(f"model_type must be one of {ARCHITECTURES}, got {model_type!r}")
     common = {
         "model_type": model_type,
         "vocab_size": vocab_size,
@@ -81,7 +83,8 @@ def write_random_moe(
     dtype: mx.Dtype = mx.float32,
 ) -> Path:
     """Build ``config``'s model with random ``dtype`` weights (``bits``-bit affine quantized
-    when given) and save it to ``directory`` as ``shards`` safetensors files."""
+    when given) and save it to ``directory`` as ``shards`` safetensors files, with an
+    integrity record (:func:`moe_expert_cache.seal_model`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
@@ -116,4 +119,5 @@ def write_random_moe(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
     (directory / "config.json").write_text(json.dumps(config, indent=1))
+    seal_model(directory)
     return directory

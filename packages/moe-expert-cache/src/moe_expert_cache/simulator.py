@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.policies import POLICIES, make_policy
 from moe_expert_cache.slots import ExpertSlots
 from moe_expert_cache.trace import RouterTrace
@@ -46,7 +47,7 @@ def replay_layer(
 ) -> int:
     """Hits of one layer's ``requests`` (tokens, top_k) at ``capacity`` under ``policy``."""
     if policy not in SIMULATED:
-        raise ValueError(f"policy must be one of {SIMULATED}, got {policy!r}")
+        raise ExpertCacheError(f"policy must be one of {SIMULATED}, got {policy!r}")
     top_k = requests.shape[1]
     slots = ExpertSlots(num_experts, capacity, top_k, pinned)
     chooser = (
@@ -84,7 +85,7 @@ def simulate(
     for cap in capacities:
         count = round(cap * trace.num_experts) if isinstance(cap, float) else cap
         if not trace.top_k <= count <= trace.num_experts:
-            raise ValueError(
+            raise ExpertCacheError(
                 f"capacity {cap} is {count} experts; expected between top_k={trace.top_k} "
                 f"and num_experts={trace.num_experts}"
             )
@@ -109,11 +110,11 @@ def synthetic_trace(
     replaced after phases of about ``mean_phase`` tokens; a token draws each expert from
     the hot set with probability ``locality``, else from all experts (Zipf-weighted)."""
     if not 0.0 <= locality <= 1.0:
-        raise ValueError(f"locality must be in [0, 1], got {locality}")
+        raise ExpertCacheError(f"locality must be in [0, 1], got {locality}")
     rng = np.random.default_rng(seed)
     hot = hot or 2 * top_k
     if not top_k <= hot <= num_experts:
-        raise ValueError(f"hot must be in [top_k, num_experts], got {hot}")
+        raise ExpertCacheError(f"hot must be in [top_k, num_experts], got {hot}")
     zipf = 1.0 / np.arange(1, num_experts + 1)
     zipf /= zipf.sum()
     layers = []

@@ -10,7 +10,22 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.policies import EvictionPolicy
+
+
+def _expert_ids(ids: Iterable[int], num_experts: int, name: str) -> list[int]:
+    """``ids`` as distinct ints in ``[0, num_experts)``; anything else is refused (a float
+    or a repeated id is never rounded or dropped)."""
+    ids = list(ids)
+    if not all(
+        isinstance(e, (int, np.integer)) and not isinstance(e, bool) and 0 <= e < num_experts
+        for e in ids
+    ):
+        raise ExpertCacheError(f"{name} experts must be int ids in [0, {num_experts}), got {ids}")
+    if len(set(ids)) != len(ids):
+        raise ExpertCacheError(f"{name} experts repeat an expert: {ids}")
+    return [int(e) for e in ids]
 
 
 class ExpertSlots:
@@ -28,26 +43,27 @@ class ExpertSlots:
         pinned: Iterable[int] = (),
         initial: Sequence[int] | None = None,
     ):
-        pinned = sorted({int(e) for e in pinned})
         if not top_k <= capacity <= num_experts:
-            raise ValueError(
+            raise ExpertCacheError(
                 f"capacity must be in [top_k={top_k}, num_experts={num_experts}], got {capacity}"
             )
-        if any(not 0 <= e < num_experts for e in pinned):
-            raise ValueError(f"pinned experts must be in [0, {num_experts}), got {pinned}")
+        pinned = _expert_ids(pinned, num_experts, "pinned")
+        initial = _expert_ids(initial or [], num_experts, "initial")
         if len(pinned) > capacity - top_k:
-            raise ValueError(
+            raise ExpertCacheError(
                 f"{len(pinned)} pinned experts leave fewer than top_k={top_k} free slots "
                 f"of capacity {capacity}"
             )
-        order = list(pinned)
-        for e in list(initial or []) + list(range(num_experts)):
-            if len(order) == capacity:
-                break
-            if not 0 <= e < num_experts:
-                raise ValueError(f"initial experts must be in [0, {num_experts}), got {e}")
-            if e not in order:
-                order.append(int(e))
+        # The initial experts keep their slot order (a warm start restores it exactly);
+        # pinned experts missing from them come next, then the lowest ids fill the rest.
+        order = initial + [e for e in sorted(pinned) if e not in initial]
+        if len(order) > capacity:
+            raise ExpertCacheError(
+                f"{len(initial)} initial and {len(pinned)} pinned experts do not fit "
+                f"capacity {capacity}"
+            )
+        taken = set(order)
+        order += [e for e in range(num_experts) if e not in taken][: capacity - len(order)]
         self.num_experts, self.capacity, self.top_k = num_experts, capacity, top_k
         self.pinned = frozenset(pinned)
         self.slot_to_expert = np.asarray(order, dtype=np.int32)
@@ -84,9 +100,9 @@ class ExpertSlots:
         """Commit swaps from :meth:`plan` (validated first, so a bad list changes nothing)."""
         for slot, evicted, loaded in swaps:
             if self.slot_to_expert[slot] != evicted or evicted in self.pinned:
-                raise ValueError(f"swap {(slot, evicted, loaded)} does not match slot {slot}")
+                raise ExpertCacheError(f"swap {(slot, evicted, loaded)} does not match slot {slot}")
             if self.is_resident(loaded):
-                raise ValueError(f"expert {loaded} is already resident")
+                raise ExpertCacheError(f"expert {loaded} is already resident")
         for slot, evicted, loaded in swaps:
             self.expert_to_slot[evicted] = -1
             self.expert_to_slot[loaded] = slot

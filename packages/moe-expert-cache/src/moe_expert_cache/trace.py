@@ -1,43 +1,63 @@
 """Router traces: which experts each MoE layer chose for each token, saved to a file.
 
-File format (version 1): the 8 bytes ``MOETRACE``, a little-endian uint32 header length,
-a UTF-8 JSON header ``{"version", "num_layers", "num_experts", "top_k", "records",
-"sha256"}``, then ``records`` rows of int32 ``(layer, token, expert_1 .. expert_k)``.
-The SHA-256 covers the rows; sizes are checked before anything is allocated.
+File format (version 2): the 8 bytes ``MOETRACE``, a little-endian uint32 header length,
+a UTF-8 JSON header ``{"version", "num_layers", "num_experts", "top_k", "records"}``, then
+``records`` rows of int32 ``(layer, token, expert_1 .. expert_k)``, then the 32-byte
+SHA-256 of everything before it (magic and header included), verified before anything is
+parsed. Sizes are checked before anything is allocated, and every row's layer and expert
+ids against the header.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from moe_expert_cache.checked_json import is_int, loads_strict, write_atomic
+from moe_expert_cache.errors import ExpertCacheError
+
 MAGIC = b"MOETRACE"
-VERSION = 1
+VERSION = 2
+HEADER_KEYS = ("num_experts", "num_layers", "records", "top_k", "version")
+# Bounds far above any real model, so a damaged header cannot ask for absurd tables.
+MAX_LAYERS, MAX_EXPERTS, MAX_TOP_K = 4096, 2**20, 1024
 
 
 class RouterTrace:
     """Records ``(layer, token, expert ids)``; ``rows()`` is int32 (records, 2 + top_k)."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int):
-        if min(num_layers, num_experts, top_k) < 1 or top_k > num_experts:
-            raise ValueError(
-                f"need num_layers >= 1 and 1 <= top_k <= num_experts, got "
-                f"{num_layers}, {num_experts}, {top_k}"
+        sizes = (num_layers, num_experts, top_k)
+        if (
+            not all(is_int(v) or isinstance(v, np.integer) for v in sizes)
+            or not 1 <= num_layers <= MAX_LAYERS
+            or not 1 <= top_k <= min(num_experts, MAX_TOP_K)
+            or num_experts > MAX_EXPERTS
+        ):
+            raise ExpertCacheError(
+                f"need integers 1 <= num_layers <= {MAX_LAYERS} and 1 <= top_k <= "
+                f"min(num_experts, {MAX_TOP_K}), num_experts <= {MAX_EXPERTS}; got "
+                f"num_layers={num_layers!r}, num_experts={num_experts!r}, top_k={top_k!r}"
             )
+        num_layers, num_experts, top_k = int(num_layers), int(num_experts), int(top_k)
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self._rows: list[np.ndarray] = []
 
     def append(self, layer: int, token: int, experts) -> None:
         experts = np.asarray(experts, dtype=np.int32).ravel()
-        if experts.size != self.top_k or not 0 <= layer < self.num_layers:
-            raise ValueError(f"record ({layer}, {token}, {experts}) does not fit this trace")
+        if experts.size != self.top_k or not 0 <= layer < self.num_layers or token < 0:
+            raise ExpertCacheError(
+                f"record ({layer}, {token}, {experts}) does not fit this trace: expected layer "
+                f"in [0, {self.num_layers}), token >= 0 and {self.top_k} experts"
+            )
         if experts.min() < 0 or experts.max() >= self.num_experts:
-            raise ValueError(f"expert ids {experts} outside [0, {self.num_experts})")
+            raise ExpertCacheError(f"expert ids {experts} outside [0, {self.num_experts})")
+        if len(set(experts.tolist())) != self.top_k:
+            raise ExpertCacheError(f"expert ids {experts} repeat an expert")
         self._rows.append(np.concatenate([np.array([layer, token], dtype=np.int32), experts]))
 
     def rows(self) -> np.ndarray:
@@ -61,7 +81,6 @@ class RouterTrace:
         return trace
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
         payload = np.ascontiguousarray(self.rows(), dtype="<i4").tobytes()
         header = json.dumps(
             {
@@ -70,35 +89,63 @@ class RouterTrace:
                 "num_experts": self.num_experts,
                 "top_k": self.top_k,
                 "records": len(self._rows),
-                "sha256": hashlib.sha256(payload).hexdigest(),
             }
         ).encode()
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
-        os.replace(tmp, path)
+        body = MAGIC + struct.pack("<I", len(header)) + header + payload
+        write_atomic(path, body + hashlib.sha256(body).digest())
 
     @classmethod
     def load(cls, path: str | Path) -> RouterTrace:
         path = Path(path)
         data = path.read_bytes()
-        if data[:8] != MAGIC or len(data) < 12:
-            raise ValueError(f"{path} is not a router trace (bad magic)")
-        (n,) = struct.unpack("<I", data[8:12])
-        if 12 + n > len(data):
-            raise ValueError(f"{path}: truncated header")
-        header = json.loads(data[12 : 12 + n])
-        if header.get("version") != VERSION:
-            raise ValueError(f"{path}: trace version {header.get('version')}, expected {VERSION}")
-        width = 2 + header["top_k"]
-        payload = data[12 + n :]
-        if len(payload) != header["records"] * width * 4:
-            raise ValueError(
-                f"{path}: {len(payload)} payload bytes, header says {header['records']} records"
+        if data[:8] != MAGIC or len(data) < 12 + 32:
+            raise ExpertCacheError(f"{path} is not a router trace (bad magic or too short)")
+        body = data[:-32]
+        if hashlib.sha256(body).digest() != data[-32:]:
+            raise ExpertCacheError(
+                f"{path}: SHA-256 checksum mismatch (the trace was changed or damaged, or it was "
+                f"written by moe-expert-cache < 0.2.0: record it again)"
             )
-        if hashlib.sha256(payload).hexdigest() != header["sha256"]:
-            raise ValueError(f"{path}: checksum mismatch (corrupted trace)")
-        trace = cls(header["num_layers"], header["num_experts"], header["top_k"])
+        (n,) = struct.unpack("<I", body[8:12])
+        if 12 + n > len(body):
+            raise ExpertCacheError(f"{path}: header length {n} runs past the end of the file")
+        header = loads_strict(body[12 : 12 + n], f"{path}: header")
+        if not isinstance(header, dict) or sorted(header) != sorted(HEADER_KEYS):
+            raise ExpertCacheError(f"{path}: header must hold exactly {list(HEADER_KEYS)}")
+        if header["version"] != VERSION:
+            raise ExpertCacheError(
+                f"{path}: trace version {header['version']!r}, expected {VERSION}"
+            )
+        try:
+            trace = cls(header["num_layers"], header["num_experts"], header["top_k"])
+        except ExpertCacheError as e:
+            raise ExpertCacheError(f"{path}: header: {e}") from None
+        records, width = header["records"], 2 + trace.top_k
+        payload = body[12 + n :]
+        if not is_int(records) or records < 0 or len(payload) != records * width * 4:
+            raise ExpertCacheError(
+                f"{path}: {len(payload)} payload bytes, header says {records!r} records "
+                f"of {width} int32"
+            )
         rows = np.frombuffer(payload, dtype="<i4").reshape(-1, width)
+        _check_rows(path, rows, trace)
         trace._rows = list(rows.astype(np.int32))
         return trace
+
+
+def _check_rows(path: Path, rows: np.ndarray, trace: RouterTrace) -> None:
+    """Layers in range, tokens >= 0, expert ids in range and distinct within a row."""
+    if not len(rows):
+        return
+    bad = (rows[:, 0] < 0) | (rows[:, 0] >= trace.num_layers) | (rows[:, 1] < 0)
+    experts = rows[:, 2:]
+    bad |= ((experts < 0) | (experts >= trace.num_experts)).any(axis=1)
+    ordered = np.sort(experts, axis=1)
+    bad |= (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ExpertCacheError(
+            f"{path}: record {i} = {rows[i].tolist()}: expected (layer in [0, "
+            f"{trace.num_layers}), token >= 0, {trace.top_k} distinct experts in [0, "
+            f"{trace.num_experts}))"
+        )
