@@ -179,3 +179,16 @@ def test_targets_are_judged_from_the_measurements():
     raw["zstd_linear"]["profiles"]["tight"]["correct"] = False  # a wrong answer never counts
     got = {t["target"]: t for t in _targets(raw)}
     assert not got["tight: zstd_linear >= 2.0x plain tokens/s, same answer"]["met"]
+
+
+def test_a_child_that_cannot_join_its_group_is_an_error_not_a_measurement(monkeypatch):
+    """If the wrapper cannot put the child in the group, the command must not run unlimited."""
+    real_wrap = cgroup.Cgroup.wrap
+
+    def broken_wrap(self, command):
+        self.groups = [*self.groups, cgroup.Path("/nonexistent-cgroup")]
+        return real_wrap(self, command)
+
+    monkeypatch.setattr(cgroup.Cgroup, "wrap", broken_wrap)
+    with pytest.raises(cgroup.CgroupUnavailable, match="could not join"):
+        run_limited(_py("print('ran unlimited')"), 64 * MiB, drop_cache=False)

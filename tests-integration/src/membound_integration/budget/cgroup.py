@@ -25,6 +25,9 @@ from pathlib import Path
 
 V1 = Path("/sys/fs/cgroup")
 V2_CANDIDATES = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+# The exit status of the wrapper when the child could not join its group: the command
+# never ran, so nothing it would have measured is reported.
+JOIN_FAILED = 125
 
 
 class CgroupUnavailable(RuntimeError):
@@ -186,7 +189,9 @@ class Cgroup:
     def wrap(self, command: list[str]) -> list[str]:
         """``command`` prefixed so that it joins the group(s) before it execs: nothing it
         runs, not even the interpreter's start, is outside the limit."""
-        joins = " ".join(f'echo $$ > "{g}/cgroup.procs";' for g in self.groups)
+        joins = " ".join(
+            f'echo $$ > "{g}/cgroup.procs" || exit {JOIN_FAILED};' for g in self.groups
+        )
         return ["/bin/sh", "-c", f'{joins} exec "$@"', "membound-budget", *command]
 
     def sample(self) -> Sample:

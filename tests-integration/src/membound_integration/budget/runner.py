@@ -11,7 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from membound_integration.budget.cgroup import Cgroup, Sample, drop_page_cache
+from membound_integration.budget.cgroup import (
+    JOIN_FAILED,
+    Cgroup,
+    CgroupUnavailable,
+    Sample,
+    drop_page_cache,
+)
 
 MiB = 2**20
 # The environment variable through which a child learns its group's I/O counter, so that
@@ -115,6 +121,8 @@ def run_limited(
         wall = time.perf_counter() - start
         stop.set()
         thread.join()
+        if proc.returncode == JOIN_FAILED and "cgroup.procs" in stderr:
+            raise CgroupUnavailable(f"the child could not join its cgroup: {stderr.strip()}")
         final = group.sample()
         oom = group.oom_kills() > 0
         return RunResult(
