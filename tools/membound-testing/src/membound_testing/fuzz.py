@@ -329,3 +329,73 @@ def run(
                 else:
                     record(died_one or "crash", descs[path], err.strip()[-200:])
     return Report(counts, examples, seed)
+
+
+def json_benchmark(
+    argv: list[str] | None,
+    *,
+    doc: str,
+    tests_dir: Path,
+    write_targets,
+    checker: str,
+    clean_errors: list[str],
+    package: str,
+    loader: str,
+    title: str,
+    notes: str,
+    default_seed: int = 15,
+) -> int:
+    """The fuzz benchmark of a package that reads no file: its arguments or config are a
+    JSON written by ``write_targets(dir) -> Path`` (from the package's tests), mutated by
+    field only, loaded by ``checker``; writes ``benchmarks/results/fuzz.json`` beside
+    ``tests_dir`` and returns 1 if any mutant was bad.
+
+    ``--mutants N`` (default 2000), ``--seed``, ``--quick`` (400 mutants, nothing saved).
+    """
+    import argparse
+    import time
+
+    from membound_testing.results import write_result
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mutants", type=int, default=2000, help="mutants per loader")
+    parser.add_argument("--seed", type=int, default=default_seed)
+    parser.add_argument(
+        "--quick", action="store_true", help="400 mutants, results not saved (run_all --quick)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mutants = 400
+    # The worker processes import the checker from the tests directory.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Target(
+            root=write_targets(Path(tmp)), structured=mutate_json_bytes, structured_share=1.0
+        )
+        start = time.perf_counter()
+        report = run(
+            [target], checker, clean_errors, n=args.mutants, seed=args.seed, batch=250, timeout=600
+        )
+        seconds = time.perf_counter() - start
+    print(report.summary())
+    bad = ", ".join(f"{report.counts[c]} {c}" for c in ("crash", "hang", "unclear", "silent"))
+    script = f"packages/{package}/benchmarks/fuzz.py"
+    write_result(
+        tests_dir.parent / "benchmarks" / "results",
+        package=package,
+        name="fuzz",
+        title=f"{title}, {args.mutants} seeded mutants, seed {args.seed}",
+        command=f"hatch run {package}:python {script} --mutants {args.mutants} --seed {args.seed}",
+        columns=["loader", "mutants", *CLASSES, "s"],
+        rows=[[loader, args.mutants, *(report.counts[c] for c in CLASSES), round(seconds, 1)]],
+        targets=[
+            {
+                "target": "0 crash, 0 hang, 0 unclear, 0 silent where the package wrote the file",
+                "measured": f"{loader}: {bad}",
+                "met": not report.bad,
+            }
+        ],
+        save=not args.quick,
+        notes=notes,
+    )
+    return 1 if report.bad else 0
