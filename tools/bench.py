@@ -63,7 +63,7 @@ def main() -> int:
 
     sections = []
     # The headline: every row under hard memory limits (`hatch run budget` writes it;
-    # it takes ~40 minutes, so `hatch run bench` renders it but does not run it).
+    # it takes about an hour, so `hatch run bench` renders it but does not run it).
     budget = ROOT / "tests-integration" / "results" / "budget.json"
     if budget.is_file():
         with open(budget) as f:
