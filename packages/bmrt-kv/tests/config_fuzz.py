@@ -214,8 +214,9 @@ def smoke(config) -> None:
     model = _tiny_llama()
     ids = list(range(3, 27))
     if config.scoring == "query_aware" and config.block_size < 2:
-        # No room for a question next to a block: drive the cache directly.
-        cache = BMRTCache(model, config)
+        # No room for a question next to a block: drive the cache directly, as a caller
+        # that supplies the scoring-only tokens itself (here none) would.
+        cache = BMRTCache(model, config, _question_supplied=True)
         with torch.no_grad():
             for token in ids:
                 model(input_ids=torch.tensor([[token]]), past_key_values=cache)

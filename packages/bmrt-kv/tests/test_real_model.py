@@ -48,7 +48,7 @@ def test_cli_run_answers_from_a_file(tmp_path, capsys):
             "--model",
             str(smollm2_float_dir()),
             "--question",
-            "When is the meeting with Anna? It is on",
+            "On which day is the meeting with Anna?",
             "--budget",
             "64",
             "--divisor",
@@ -56,7 +56,7 @@ def test_cli_run_answers_from_a_file(tmp_path, capsys):
             "--block-size",
             "32",
             "--max-new-tokens",
-            "4",
+            "12",
         ]
     )
     assert code == 0

@@ -217,3 +217,14 @@ def test_tie_breakers_prefer_a_key_at_the_query(name):
         keys[0, 0, 4] = queries[0, 0, 11]
     distance = TIE_BREAKERS[name](keys, queries)
     assert int(distance.argmin()) == 4
+
+
+def test_simhash_projects_even_when_head_dim_equals_the_code_width():
+    # 16 tables x 4 bits = 64 = SmolLM2's head_dim: codes() used to take such an input for
+    # signs already computed and hash the raw coordinates, with no random planes at all.
+    hash_ = SimHash(16, 4, 3)
+    x = torch.randn(2, 5, 64)
+    bits = (x @ hash_.planes(64, x.device, x.dtype) > 0).view(2, 5, 16, 4).long()
+    expected = (bits * 2 ** torch.arange(4)).sum(-1)
+    assert torch.equal(hash_.codes(x), expected)
+    assert torch.equal(hash_.codes_from_signs(hash_.signs(x)), expected)

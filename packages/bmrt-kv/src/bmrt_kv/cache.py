@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -10,7 +11,7 @@ from transformers.cache_utils import Cache
 
 from bmrt_kv.config import BMRTConfig
 from bmrt_kv.errors import BMRTError
-from bmrt_kv.hooks import attach
+from bmrt_kv.hooks import Attachment
 from bmrt_kv.layer import BMRTLayer
 from bmrt_kv.selectors import make_selector
 
@@ -21,26 +22,45 @@ class BMRTCache(Cache):
 
     Use it like any transformers cache::
 
-        cache = BMRTCache(model, BMRTConfig(budget=512, block_size=256, selector="lsh"))
-        model(input_ids=block, past_key_values=cache)          # one block at a time
-        model.generate(ids, past_key_values=cache, prefill_chunk_size=256)
+        with BMRTCache(model, BMRTConfig(budget=512, block_size=256)) as cache:
+            model.generate(ids, past_key_values=cache, prefill_chunk_size=256)
 
     Constructing it installs forward hooks on ``model`` (see :mod:`bmrt_kv.hooks`) that
-    hand each layer its block's queries after attention; the hooks are inert for other
-    caches. Inputs must be unpadded (one sequence, or equal-length rows).
+    hand each layer its block's queries after attention; they act only on forwards that
+    use this cache. They are removed, leaving the model exactly as it was, when the
+    ``with`` block ends, on :meth:`detach`, or when the cache is garbage-collected.
+    Inputs must be unpadded (one sequence, or equal-length rows). Greedy and sampled
+    decoding work; beam search does not (it reorders rows of a cache whose rows keep
+    different tokens) and raises :class:`BMRTError`.
+
+    ``scoring="query_aware"`` needs the question, which ``generate`` never passes to a
+    cache: use :class:`~bmrt_kv.stream.BoundedStream` with ``question=``.
 
     Args:
         model: a Llama / Mistral / Qwen2 / Qwen3 causal LM (full attention layers only).
         config: the :class:`BMRTConfig`; keyword ``overrides`` replace its fields.
     """
 
-    def __init__(self, model: nn.Module, config: BMRTConfig | None = None, **overrides):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: BMRTConfig | None = None,
+        *,
+        _question_supplied: bool = False,
+        **overrides,
+    ):
         config = BMRTConfig() if config is None else config
         if not isinstance(config, BMRTConfig):
             raise BMRTError(f"config must be a BMRTConfig, got {type(config).__name__}")
         # replace() runs the checks again: a config changed since it was built (or an
         # override) is validated before any layer exists.
         config = replace(config, **overrides)
+        if config.scoring == "query_aware" and not _question_supplied:
+            raise BMRTError(
+                "scoring='query_aware' needs the question, which model.generate() never "
+                "passes to a cache; use BoundedStream(model, tokenizer, config, "
+                "question=...), or scoring='agnostic' with generate()"
+            )
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None)
         if "sliding_attention" in (layer_types or []) or (
@@ -61,7 +81,40 @@ class BMRTCache(Cache):
         self.config = config
         #: trailing tokens of the next forward that only score (query-aware mode).
         self.scoring_only_tokens = 0
-        attach(model, BMRTCache)
+        self._attachment = Attachment(model, self)
+        # The hooks hold this cache weakly, so it can be collected; its hooks go with it.
+        weakref.finalize(self, self._attachment.remove)
+
+    def detach(self) -> None:
+        """Remove this cache's hooks from the model (idempotent); the cache then no longer
+        compresses, so stop using it."""
+        self._attachment.remove()
+
+    @property
+    def attached(self) -> bool:
+        """True while this cache's hooks are on the model."""
+        return self._attachment.attached
+
+    def __enter__(self) -> BMRTCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise BMRTError(
+            "BMRTCache does not support beam search (num_beams > 1): each row keeps its own "
+            "tokens, so beams cannot be reordered; use greedy or sampled decoding"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise BMRTError(
+            "BMRTCache cannot be expanded to more rows (beam search, num_return_sequences "
+            "> 1); pass one row per sequence from the start"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise BMRTError("BMRTCache rows cannot be selected or reordered after prefill")
 
     def finish_layer(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Called by the attention hook after layer ``layer_idx``'s attention ran.

@@ -5,18 +5,23 @@ compress before the block's own attention has run (later tokens of a block atten
 earlier ones that may be evicted). Three hooks per attention module bridge that:
 
 1. a forward pre-hook reads ``past_key_values`` and ``position_embeddings`` (cos, sin)
-   from the call's keyword arguments; if the cache is a :class:`BMRTCache` it marks the
-   module active;
+   from the call's keyword arguments; it arms the module only if the cache is the one
+   that installed the hooks;
 2. a forward hook on the query projection (``q_norm`` where the model has one, as Qwen3,
    else ``q_proj``) keeps its output, so the queries are not recomputed;
 3. a forward hook on the attention module, after attention, rotates those queries with
    (cos, sin) exactly as the model does and hands them to the layer, which compresses.
 
-Hooks do nothing when the forward uses another cache, so a model stays usable with
-``DynamicCache`` after a :class:`BMRTCache` attached to it.
+The hooks belong to one cache (an :class:`Attachment`) and keep their state in their own
+closures: nothing is written onto the model. They hold the cache weakly and are removed
+when the cache is detached, leaves its ``with`` block, or is garbage-collected, after which
+the model is exactly as it was. They do nothing for forwards with another cache.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -24,7 +29,9 @@ from torch import nn
 from bmrt_kv.errors import BMRTError
 from bmrt_kv.rope import apply_rope
 
-_HANDLES = "_bmrt_kv_hook_handles"
+# model -> the attachments living on it, for detach(model). Weak both ways: the registry
+# keeps neither a model nor a cache alive.
+_ATTACHMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -32,61 +39,93 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
 
 
-def attach(model: nn.Module, cache_type: type) -> None:
-    """Install the hooks on ``model`` once; later calls are no-ops."""
-    if getattr(model, _HANDLES, None):
-        return
-    modules = attention_modules(model)
-    if not modules:
-        raise BMRTError(
-            f"{type(model).__name__} has no attention modules with q_proj and layer_idx "
-            "(supported: Llama, Mistral, Qwen2, Qwen3 families)"
-        )
-    handles = []
-    for attn in modules:
-        attn._bmrt_state = None
-        handles.append(attn.register_forward_pre_hook(_make_pre_hook(cache_type), with_kwargs=True))
-        projection = attn.q_norm if hasattr(attn, "q_norm") else attn.q_proj
-        handles.append(projection.register_forward_hook(_make_query_hook(attn)))
-        handles.append(attn.register_forward_hook(_post_hook, with_kwargs=True))
-    setattr(model, _HANDLES, handles)
+class Attachment:
+    """The forward hooks one cache installed on one model.
+
+    Args:
+        model: the causal LM whose attention modules get the hooks.
+        cache: the cache the hooks serve; held by a weak reference.
+    """
+
+    def __init__(self, model: nn.Module, cache) -> None:
+        modules = attention_modules(model)
+        if not modules:
+            raise BMRTError(
+                f"{type(model).__name__} has no attention modules with q_proj and layer_idx "
+                "(supported: Llama, Mistral, Qwen2, Qwen3 families)"
+            )
+        cache_ref = weakref.ref(cache)
+        self.handles: list = []
+        for attn in modules:
+            state: dict = {}
+            projection = attn.q_norm if hasattr(attn, "q_norm") else attn.q_proj
+            self.handles += [
+                attn.register_forward_pre_hook(_pre_hook(cache_ref, state), with_kwargs=True),
+                projection.register_forward_hook(_query_hook(state)),
+                attn.register_forward_hook(_post_hook(state), with_kwargs=True),
+            ]
+        _ATTACHMENTS.setdefault(model, weakref.WeakSet()).add(self)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.handles)
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 def detach(model: nn.Module) -> None:
-    """Remove the hooks installed by :func:`attach`."""
-    for handle in getattr(model, _HANDLES, None) or []:
-        handle.remove()
-    setattr(model, _HANDLES, None)
+    """Remove the hooks of every :class:`~bmrt_kv.BMRTCache` attached to ``model``."""
+    for attachment in list(_ATTACHMENTS.pop(model, ())):
+        attachment.remove()
 
 
-def _make_pre_hook(cache_type: type):
+@contextlib.contextmanager
+def attached(model: nn.Module, config=None, **overrides):
+    """``with bmrt_kv.attached(model, config) as cache:`` a :class:`~bmrt_kv.BMRTCache`
+    whose hooks are removed when the block ends, error or not; the model is then exactly
+    as it was. ``config`` and ``overrides`` are :class:`~bmrt_kv.BMRTCache`'s."""
+    from bmrt_kv.cache import BMRTCache
+
+    cache = BMRTCache(model, config, **overrides)
+    try:
+        yield cache
+    finally:
+        cache.detach()
+
+
+def _pre_hook(cache_ref: weakref.ref, state: dict):
     def pre_hook(attn, args, kwargs):
+        state.clear()
         cache = kwargs.get("past_key_values")
-        if isinstance(cache, cache_type):
+        if cache is not None and cache is cache_ref():
             cos, sin = kwargs["position_embeddings"]
-            attn._bmrt_state = {"cache": cache, "cos": cos, "sin": sin, "queries": None}
-        else:
-            attn._bmrt_state = None
+            state.update(cache=cache, cos=cos, sin=sin, queries=None)
 
     return pre_hook
 
 
-def _make_query_hook(attn: nn.Module):
+def _query_hook(state: dict):
     def query_hook(module, args, output):
-        if attn._bmrt_state is not None:
-            attn._bmrt_state["queries"] = output
+        if state:
+            state["queries"] = output
 
     return query_hook
 
 
-def _post_hook(attn, args, kwargs, output):
-    state = attn._bmrt_state
-    if state is None:
-        return
-    attn._bmrt_state = None
-    raw = state["queries"]  # (b, T, H * hd) from q_proj or (b, T, H, hd) from q_norm
-    b, t = raw.shape[:2]
-    queries = raw.reshape(b, t, -1, attn.head_dim)
-    with torch.no_grad():
-        rotated = apply_rope(queries, state["cos"], state["sin"]).transpose(1, 2)  # (b,H,T,hd)
-        state["cache"].finish_layer(attn.layer_idx, rotated)
+def _post_hook(state: dict):
+    def post_hook(attn, args, kwargs, output):
+        if not state:
+            return
+        cache, cos, sin, raw = state["cache"], state["cos"], state["sin"], state["queries"]
+        state.clear()
+        b, t = raw.shape[:2]  # raw: (b, T, H * hd) from q_proj or (b, T, H, hd) from q_norm
+        queries = raw.reshape(b, t, -1, attn.head_dim)
+        with torch.no_grad():
+            rotated = apply_rope(queries, cos, sin).transpose(1, 2)  # (b, H, T, hd)
+            cache.finish_layer(attn.layer_idx, rotated)
+
+    return post_hook

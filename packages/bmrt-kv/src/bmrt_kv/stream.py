@@ -60,7 +60,7 @@ class BoundedStream:
         self.tokenizer = tokenizer
         self.progress = progress
         self.question_ids = self._question_ids(question)
-        self.cache = BMRTCache(model, self.config)
+        self.cache = BMRTCache(model, self.config, _question_supplied=self.question_ids is not None)
         self.stats = StreamStats()
         self._next_logits: torch.Tensor | None = None
         # The last generated token: fed (and cached) only if the stream goes on, so a
@@ -69,6 +69,11 @@ class BoundedStream:
 
     def _question_ids(self, question) -> torch.Tensor | None:
         if self.config.scoring == "agnostic":
+            if question is not None:
+                raise BMRTError(
+                    "question= is only used by scoring='query_aware'; with scoring="
+                    "'agnostic' it would be ignored"
+                )
             return None
         if question is None:
             raise BMRTError("scoring='query_aware' needs question=<text or token ids>")
@@ -166,6 +171,16 @@ class BoundedStream:
         if self._pending is not None:
             token, self._pending = self._pending, None
             self._decode(token)
+
+    def close(self) -> None:
+        """Detach the stream's cache from the model: the model is then as it was."""
+        self.cache.detach()
+
+    def __enter__(self) -> BoundedStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def ask(self, question: str, max_new_tokens: int = 32) -> str:
         """Feed ``question`` and return the decoded greedy answer."""

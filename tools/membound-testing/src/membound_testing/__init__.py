@@ -14,6 +14,7 @@ from membound_testing.models import (
     smollm2_gguf_path,
 )
 from membound_testing.passkey import passkey_prompt
+from membound_testing.readme import run_python_blocks, smollm2_importable
 
 __all__ = [
     "__version__",
@@ -23,6 +24,8 @@ __all__ = [
     "machine_info",
     "minilm_path",
     "passkey_prompt",
+    "run_python_blocks",
     "smollm2_float_dir",
     "smollm2_gguf_path",
+    "smollm2_importable",
 ]

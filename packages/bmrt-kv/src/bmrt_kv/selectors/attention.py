@@ -17,6 +17,9 @@ MAX_KERNEL = 1023
 def attention_probs(pool: Pool, last_queries: int | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(hd)) of the scoring queries over the whole pool, causally masked.
 
+    The full (b, h, Q, P) matrix: for inspection and tests; the selectors score through
+    :func:`attention_mass`, which never holds it.
+
     A query at position p sees the pool tokens at positions <= p, as in the forward pass,
     so the softmax includes anchors and window (they absorb mass just as in the model).
 
@@ -41,11 +44,36 @@ def attention_probs(pool: Pool, last_queries: int | None = None) -> torch.Tensor
 
 def attention_mass(pool: Pool, last_queries: int | None = None) -> torch.Tensor:
     """Sum over queries of :func:`attention_probs`, weighted by ``pool.query_weights``
-    when given (and all queries are used): (b, h, P) float32."""
-    probs = attention_probs(pool, last_queries)
-    if pool.query_weights is None or last_queries is not None:
-        return probs.sum(dim=-2)
-    return torch.einsum("bhqp,q->bhp", probs, pool.query_weights.to(probs.dtype))
+    when given (and all queries are used): (b, h, P) float32.
+
+    Computed over chunks of ``head_dim`` queries (all KV heads at once), so the scoring
+    workspace is a few (b, h, head_dim, P) matrices, about the size of the pool's keys,
+    whatever the block length: never the (b, h, Q, P) matrix of every query at once,
+    which for a 512-token block of SmolLM2 is 24 times the pool's keys.
+    """
+    queries, query_positions = pool.queries, pool.query_positions
+    weights = pool.query_weights if last_queries is None else None
+    if last_queries is not None:
+        queries, query_positions = _tail_per_head(pool, last_queries)
+    n_queries, head_dim = queries.shape[-2:]
+    keys_t = pool.keys.float().transpose(-1, -2)  # (b, h, hd, P)
+    positions = pool.positions.unsqueeze(-2)  # (b, h, 1, P)
+    scale = 1.0 / math.sqrt(head_dim)
+    mass = torch.zeros(pool.keys.shape[:-1], dtype=torch.float32, device=pool.keys.device)
+    for start in range(0, n_queries, head_dim):
+        stop = min(start + head_dim, n_queries)
+        logits = torch.matmul(queries[:, :, start:stop].float(), keys_t)  # (b, h, C, P)
+        logits.mul_(scale)
+        hidden = positions > query_positions[start:stop].view(1, 1, -1, 1)  # (b, h, C, P)
+        logits.masked_fill_(hidden, float("-inf"))
+        del hidden
+        probs = torch.softmax(logits, dim=-1)
+        del logits
+        if weights is None:
+            mass += probs.sum(dim=-2)
+        else:
+            mass += torch.einsum("bhqp,q->bhp", probs, weights[start:stop].to(probs.dtype))
+    return mass
 
 
 def max_pool_over_time(scores: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -19,8 +19,12 @@ class KeyDiffSelector(Selector):
     name = "keydiff"
 
     def score(self, pool: Pool) -> torch.Tensor:
-        keys = torch.nn.functional.normalize(pool.keys.to(torch.float32), dim=-1)
-        weight = pool.candidates.unsqueeze(-1).to(keys.dtype)  # (b, h, P, 1)
-        mean = (keys * weight).sum(-2, keepdim=True) / weight.sum(-2, keepdim=True).clamp(min=1)
-        cosine = torch.nn.functional.cosine_similarity(keys, mean, dim=-1, eps=1e-12)
+        keys = torch.nn.functional.normalize(pool.keys.to(torch.float32), dim=-1)  # (b,h,P,hd)
+        weight = pool.candidates.to(keys.dtype)  # (b, h, P)
+        # The candidates' mean key, as a weighted sum: (b, h, 1, hd) without a weighted copy
+        # of every key.
+        mean = torch.matmul(weight.unsqueeze(-2), keys)
+        mean = mean / weight.sum(-1).clamp(min=1).view(*weight.shape[:2], 1, 1)
+        mean = torch.nn.functional.normalize(mean, dim=-1, eps=1e-12)
+        cosine = torch.matmul(keys, mean.transpose(-1, -2)).squeeze(-1)  # (b, h, P)
         return (-cosine).to(torch.float64)

@@ -9,6 +9,8 @@ from bmrt_kv.selectors.simhash import MAX_BITS, SimHash
 
 #: Per-(query, key) collision counts are uint8; more tables would wrap them.
 MAX_TABLES = 255
+#: Queries scored at once.
+QUERY_CHUNK = 16
 
 
 class MagicPIGSelector(Selector):
@@ -33,25 +35,46 @@ class MagicPIGSelector(Selector):
 
     def score(self, pool: Pool) -> torch.Tensor:
         n_tables, n_bits = self.hash.tables, self.hash.bits
-        q_signs = self.hash.signs(pool.queries).float()  # (b, h, Q, L*K)
-        k_signs = self.hash.signs(pool.keys).float()  # (b, h, P, L*K)
+        keys = pool.keys
+        planes = self.hash.planes(keys.shape[-1], keys.device, keys.dtype)  # (hd, L*K)
+        # The keys' signs made directly in the (L*K, P) layout every chunk's matmul wants,
+        # in place: one (b, h, L*K, P) matrix, never a second copy.
+        k_signs_t = torch.matmul(planes.t(), keys.transpose(-1, -2)).float()
+        k_signs_t.gt_(0).mul_(2).sub_(1)  # (b, h, L*K, P) of +-1
+        code_weights = self.hash.code_weights(keys.device)  # (L*K, L)
+        k_codes_t = torch.matmul(code_weights.t(), k_signs_t)  # (b, h, L, P), as codes_from_signs
+        k_codes_t = k_codes_t.add_(code_weights.sum(0).view(-1, 1)).div_(2).to(torch.int64)
         total = n_tables * n_bits
-        hamming = (total - torch.matmul(q_signs, k_signs.transpose(-1, -2))) / 2  # (b,h,Q,P)
-        p = 1.0 - hamming / total
-        pk = p**n_bits
-        u = 1 - (1 - pk) ** n_tables - n_tables * pk * (1 - pk) ** (n_tables - 1)
-        if pool.query_weights is None:
-            relevance = u.sum(dim=-2)  # (b, h, P)
-        else:
-            relevance = torch.einsum("bhqp,q->bhp", u, pool.query_weights.to(u.dtype))
-
-        q_codes = self.hash.codes(q_signs)  # (b, h, Q, L)
-        k_codes = self.hash.codes(k_signs)  # (b, h, P, L)
-        collisions = torch.zeros(hamming.shape, dtype=torch.uint8, device=hamming.device)
-        for table in range(n_tables):
-            # One table at a time keeps the (Q, P) comparison the largest live tensor.
-            collisions += q_codes[..., table, None] == k_codes[..., None, :, table]
-        valid = (collisions >= 2).any(dim=-2)  # (b, h, P)
+        n_queries = pool.queries.shape[-2]
+        relevance = torch.zeros(pool.keys.shape[:-1], dtype=torch.float32, device=keys.device)
+        valid = torch.zeros(pool.keys.shape[:-1], dtype=torch.bool, device=keys.device)
+        # QUERY_CHUNK queries at a time: the (b, h, chunk, P) temporaries stay a fraction of
+        # the pool's keys instead of (b, h, Q, P) matrices of every query.
+        for start in range(0, n_queries, QUERY_CHUNK):
+            stop = min(start + QUERY_CHUNK, n_queries)
+            q_signs = self.hash.signs(pool.queries[:, :, start:stop])  # (b, h, C, L*K)
+            q_codes = self.hash.codes_from_signs(q_signs)  # (b, h, C, L)
+            matches = torch.matmul(q_signs, k_signs_t)  # (b, h, C, P)
+            # In place where it can be, so a chunk holds at most four (b, h, C, P) matrices.
+            pk = matches.add_(total).div_(2 * total).pow_(n_bits)  # p^K, p = 1 - hamming/total
+            miss = 1 - pk
+            tail = miss.pow(n_tables - 1)
+            two_or_more = tail.mul(pk).mul_(n_tables)  # L p^K (1 - p^K)^(L-1)
+            del pk
+            u = tail.mul_(miss).neg_().add_(1).sub_(two_or_more)  # 1 - (1 - p^K)^L - ...
+            del miss, two_or_more
+            if pool.query_weights is None:
+                relevance += u.sum(dim=-2)
+            else:
+                weights = pool.query_weights[start:stop].to(u.dtype)
+                relevance += torch.einsum("bhqp,q->bhp", u, weights)
+            del u
+            collisions = torch.zeros(
+                (*q_codes.shape[:-1], k_codes_t.shape[-1]), dtype=torch.uint8, device=keys.device
+            )
+            for table in range(n_tables):
+                collisions += q_codes[..., table, None] == k_codes_t[..., table, None, :]
+            valid |= (collisions >= 2).any(dim=-2)  # (b, h, P)
 
         positions = pool.positions.double()
         recency = positions / (positions.max() + 1) - 1.0  # in [-1, 0): below every valid

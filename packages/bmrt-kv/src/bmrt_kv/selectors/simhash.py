@@ -38,19 +38,25 @@ class SimHash:
         return self._planes[key]
 
     def signs(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., N, hd) float -> (..., N, L*K) float of +-1."""
-        proj = torch.matmul(x, self.planes(x.shape[-1], x.device, x.dtype))
-        return torch.where(proj > 0, 1.0, -1.0).to(x.dtype)
+        """x: (..., N, hd) float -> (..., N, L*K) float32 of +-1 (+1 where the projection
+        is positive)."""
+        proj = torch.matmul(x, self.planes(x.shape[-1], x.device, x.dtype)).float()
+        return proj.gt_(0).mul_(2).sub_(1)  # in place: no second (N, L*K) matrix
 
     def codes(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., N, hd) float, or its :meth:`signs` -> (..., N, L) int64 bucket ids."""
-        if x.shape[-1] != self.tables * self.bits:
-            x = torch.matmul(x, self.planes(x.shape[-1], x.device, x.dtype))
+        """x: (..., N, hd) float -> (..., N, L) int64 bucket ids."""
+        return self.codes_from_signs(self.signs(x))
+
+    def codes_from_signs(self, signs: torch.Tensor) -> torch.Tensor:
+        """:meth:`signs` (..., N, L*K) -> (..., N, L) int64 bucket ids."""
         # Bits to bucket ids with one matmul against a block-diagonal matrix of powers of
         # two (exact in float32 up to 2**24); cheaper than int64 shifts and sums on CPU.
-        return torch.matmul((x > 0).to(torch.float32), self._weights(x.device)).to(torch.int64)
+        # With bit = (sign + 1) / 2 the ids come straight from the signs.
+        weights = self.code_weights(signs.device)  # (L*K, L)
+        return torch.matmul(signs, weights).add_(weights.sum(0)).div_(2).to(torch.int64)
 
-    def _weights(self, device: torch.device) -> torch.Tensor:
+    def code_weights(self, device: torch.device) -> torch.Tensor:
+        """(L*K, L) float32: block-diagonal powers of two, bits -> bucket ids."""
         key = ("weights", device)
         if key not in self._planes:
             powers = 2.0 ** torch.arange(self.bits, dtype=torch.float32)

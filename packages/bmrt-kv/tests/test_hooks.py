@@ -1,0 +1,137 @@
+"""The hooks are scoped to their cache: after it is done, the model is exactly as it was."""
+
+import gc
+
+import pytest
+import torch
+from conftest import FAMILIES, VOCAB
+from transformers import DynamicCache
+
+import bmrt_kv
+from bmrt_kv import BMRTCache, BMRTConfig, BMRTError, BoundedStream
+
+CONFIG = BMRTConfig(budget=12, protection_divisor=3, block_size=4)
+
+
+def snapshot(model):
+    """Every module's attributes and hooks, by name: what a cache must leave untouched."""
+    return {
+        name: (
+            sorted(vars(module)),
+            list(module._forward_hooks),
+            list(module._forward_pre_hooks),
+            list(module._forward_hooks_with_kwargs),
+            list(module._forward_pre_hooks_with_kwargs),
+        )
+        for name, module in model.named_modules()
+    }
+
+
+def hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def stream(model, cache, n=20):
+    ids = torch.arange(3, 3 + n).view(1, n) % VOCAB
+    with torch.no_grad():
+        for block in ids.split(4, -1):
+            model(input_ids=block, past_key_values=cache)
+
+
+@pytest.fixture
+def model(tiny_models):
+    model = tiny_models["llama"]
+    # A first forward, so that anything transformers sets lazily is in the baseline.
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2]]))
+    bmrt_kv.detach(model)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_attached_block_leaves_the_model_exactly_as_it_was(tiny_models, family):
+    model = tiny_models[family]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2]]))
+    before = snapshot(model)
+    with bmrt_kv.attached(model, CONFIG) as cache:
+        assert hook_count(model) == 3 * model.config.num_hidden_layers
+        stream(model, cache)
+        assert cache.stored_tokens == [12] * model.config.num_hidden_layers
+    assert snapshot(model) == before
+    assert not any(name.startswith("_bmrt") for m in model.modules() for name in vars(m))
+
+
+def test_hooks_go_when_the_block_raises(model):
+    before = snapshot(model)
+    with pytest.raises(BMRTError, match="exceeds"), bmrt_kv.attached(model, CONFIG) as cache:
+        model(input_ids=torch.arange(20).view(1, 20), past_key_values=cache)
+    assert snapshot(model) == before
+
+
+def test_cache_as_context_manager_and_detach(model):
+    before = snapshot(model)
+    with BMRTCache(model, CONFIG) as cache:
+        assert cache.attached
+    assert not cache.attached and snapshot(model) == before
+    cache = BMRTCache(model, CONFIG)
+    cache.detach()
+    cache.detach()  # idempotent
+    assert snapshot(model) == before
+
+
+def test_a_collected_cache_takes_its_hooks_with_it(model):
+    before = snapshot(model)
+    ids = torch.arange(3, 23).view(1, 20) % VOCAB
+    model.generate(
+        ids,
+        past_key_values=BMRTCache(model, CONFIG),
+        prefill_chunk_size=4,
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    gc.collect()
+    assert snapshot(model) == before
+
+
+def test_hooks_act_only_for_their_own_cache(model):
+    first, second = BMRTCache(model, CONFIG), BMRTCache(model, CONFIG)
+    stream(model, first)
+    assert first.stored_tokens == [12, 12] and second.stored_tokens == [0, 0]
+    # A DynamicCache forward beside an attached cache is the plain model's.
+    ids = torch.arange(3, 23).view(1, 20)
+    with torch.no_grad():
+        plain = model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).logits
+    bmrt_kv.detach(model)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    assert torch.equal(plain, reference)
+    assert not first.attached and not second.attached
+
+
+def test_beam_search_is_refused(model):
+    ids = torch.arange(3, 11).view(1, 8)
+    with BMRTCache(model, CONFIG) as cache, pytest.raises(BMRTError, match="beam search"):
+        model.generate(ids, past_key_values=cache, num_beams=2, max_new_tokens=4, do_sample=False)
+
+
+def test_query_aware_without_a_question_is_refused(model):
+    config = BMRTConfig(budget=12, protection_divisor=3, block_size=8, scoring="query_aware")
+    with pytest.raises(BMRTError, match=r"BoundedStream.*question"):
+        BMRTCache(model, config)
+    with pytest.raises(BMRTError, match="question"):
+        BoundedStream(model, config=config)
+    assert hook_count(model) == 0
+
+
+def test_a_question_with_agnostic_scoring_is_refused(model):
+    with pytest.raises(BMRTError, match="agnostic"):
+        BoundedStream(model, config=CONFIG, question=[5, 6])
+
+
+def test_stream_closes_its_hooks(model):
+    before = snapshot(model)
+    with BoundedStream(model, config=CONFIG) as s:
+        s.feed(list(range(3, 23)))
+    assert snapshot(model) == before
