@@ -55,7 +55,7 @@ def test_attached_block_leaves_the_model_exactly_as_it_was(tiny_models, family):
         model(input_ids=torch.tensor([[1, 2]]))
     before = snapshot(model)
     with bmrt_kv.attached(model, CONFIG) as cache:
-        assert hook_count(model) == 3 * model.config.num_hidden_layers
+        assert hook_count(model) == 3 * model.config.num_hidden_layers + 1  # + positions
         stream(model, cache)
         assert cache.stored_tokens == [12] * model.config.num_hidden_layers
     assert snapshot(model) == before
@@ -135,3 +135,35 @@ def test_stream_closes_its_hooks(model):
     with BoundedStream(model, config=CONFIG) as s:
         s.feed(list(range(3, 23)))
     assert snapshot(model) == before
+
+
+def test_wrong_prefill_positions_are_corrected(model):
+    """transformers 5.2's generate(prefill_chunk_size=...) passed every chunk the position
+    ids of the prompt's last chunk; the cache's decoder hook rebuilds them (and only then)."""
+    ids = (torch.arange(16).view(1, 16) * 7 + 3) % VOCAB
+
+    def run(cache, wrong: bool):
+        logits = []
+        with torch.no_grad():
+            for start in range(0, 16, 4):
+                cache_position = torch.arange(start, start + 4)
+                positions = torch.arange(12, 16) if wrong else cache_position
+                out = model(
+                    input_ids=ids[:, start : start + 4],
+                    past_key_values=cache,
+                    position_ids=positions.view(1, 4),
+                    cache_position=cache_position,
+                    attention_mask=torch.ones(1, start + 4, dtype=torch.long),
+                )
+                logits.append(out.logits)
+        return torch.cat(logits, 1)
+
+    with bmrt_kv.attached(model, CONFIG) as cache:
+        right = run(cache, wrong=False)
+    with bmrt_kv.attached(model, CONFIG) as cache, pytest.warns(UserWarning, match="wrong position"):
+        corrected = run(cache, wrong=True)
+    torch.testing.assert_close(corrected, right)
+    # Without the cache's hook, the same wrong ids change the logits (the test can fail).
+    full_right = run(DynamicCache(config=model.config), wrong=False)
+    full_wrong = run(DynamicCache(config=model.config), wrong=True)
+    assert not torch.allclose(full_wrong, full_right, atol=1e-4)

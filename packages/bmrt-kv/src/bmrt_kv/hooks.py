@@ -21,6 +21,7 @@ the model is exactly as it was. They do nothing for forwards with another cache.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -64,6 +65,11 @@ class Attachment:
                 projection.register_forward_hook(_query_hook(state)),
                 attn.register_forward_hook(_post_hook(state), with_kwargs=True),
             ]
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        if isinstance(decoder, nn.Module):
+            self.handles.append(
+                decoder.register_forward_pre_hook(_positions_hook(cache_ref), with_kwargs=True)
+            )
         _ATTACHMENTS.setdefault(model, weakref.WeakSet()).add(self)
 
     @property
@@ -95,6 +101,40 @@ def attached(model: nn.Module, config=None, **overrides):
         yield cache
     finally:
         cache.detach()
+
+
+def _positions_hook(cache_ref: weakref.ref):
+    """Correct transformers 5.2's chunked prefill, which passes every chunk the position ids
+    of the prompt's last chunk (``generate(prefill_chunk_size=...)``; fixed in 5.3).
+
+    A position id past its token's cache position cannot happen otherwise (padding only
+    lowers position ids), so only that case is touched: the ids are rebuilt from the
+    attention mask as transformers >= 5.3 does, or from the cache positions without one.
+    """
+
+    def positions_hook(decoder, args, kwargs):
+        if kwargs.get("past_key_values") is not cache_ref() or cache_ref() is None:
+            return None
+        positions, cache_positions = kwargs.get("position_ids"), kwargs.get("cache_position")
+        if positions is None or cache_positions is None or positions.ndim != 2:
+            return None
+        n = cache_positions.shape[0]
+        if positions.shape[-1] != n or not bool((positions[:, -1] > cache_positions[-1]).any()):
+            return None
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[-1] >= n:
+            fixed = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -n:]
+        else:
+            fixed = cache_positions.unsqueeze(0).expand(positions.shape[0], -1)
+        warnings.warn(
+            "bmrt-kv: this transformers version passed wrong position ids to a prefill chunk "
+            "(transformers 5.2's generate(prefill_chunk_size=...), fixed in 5.3); "
+            "bmrt-kv corrected them for its cache",
+            stacklevel=2,
+        )
+        return args, {**kwargs, "position_ids": fixed.to(positions.dtype)}
+
+    return positions_hook
 
 
 def _pre_hook(cache_ref: weakref.ref, state: dict):
