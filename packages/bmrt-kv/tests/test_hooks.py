@@ -160,7 +160,10 @@ def test_wrong_prefill_positions_are_corrected(model):
 
     with bmrt_kv.attached(model, CONFIG) as cache:
         right = run(cache, wrong=False)
-    with bmrt_kv.attached(model, CONFIG) as cache, pytest.warns(UserWarning, match="wrong position"):
+    with (
+        bmrt_kv.attached(model, CONFIG) as cache,
+        pytest.warns(UserWarning, match="wrong position"),
+    ):
         corrected = run(cache, wrong=True)
     torch.testing.assert_close(corrected, right)
     # Without the cache's hook, the same wrong ids change the logits (the test can fail).
