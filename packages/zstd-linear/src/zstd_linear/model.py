@@ -119,6 +119,7 @@ def report_of(layers: Iterable[CompressedLinear], skipped: dict[str, str]) -> Co
                 layout=lyr.encoded.layout,
                 original_bytes=lyr.encoded.original_bytes,
                 compressed_bytes=lyr.encoded.compressed_bytes,
+                file_backed_bytes=lyr.encoded.file_backed_bytes,
             )
             for lyr in layers
         ],

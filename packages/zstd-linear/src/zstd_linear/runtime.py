@@ -40,6 +40,11 @@ class ModelRuntime:
             raise ValueError("layers must name at least one CompressedLinear, got none")
         self.layers = dict(layers)
         self.stats = DecodeStats()
+        file_bytes = sum(lyr.encoded.file_backed_bytes for lyr in self.layers.values())
+        self.stats.compressed_file_bytes = file_bytes
+        self.stats.compressed_anonymous_bytes = (
+            sum(lyr.encoded.compressed_bytes for lyr in self.layers.values()) - file_bytes
+        )
         self.clock = PassClock()
         self.pool = BufferPool(
             max(lyr.encoded.original_bytes for lyr in layers.values()), self.stats
