@@ -145,9 +145,9 @@ def compress_model(
     include / exclude: globs over fully qualified module names (default: every
     Linear). A Linear whose weight is tied to another parameter stays plain and is
     listed in ``report.skipped``. policy: a POLICIES name; policy_options go to it
-    (``window`` for per_pass_prefetch, ``budget_bytes`` for budget). threads: decode
-    and compression threads (default min(2, cores)). Everything is validated before
-    the model changes.
+    (``window`` for per_pass_prefetch; ``budget_bytes`` or ``memory_limit``, and
+    ``window``, for budget). threads: decode and compression threads (default
+    min(2, cores)). Everything is validated before the model changes.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
