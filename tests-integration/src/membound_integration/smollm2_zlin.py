@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 def compressed_smollm2_path(progress: bool = False) -> Path:
-    """Path of the .zlin file holding every untied Linear of SmolLM2-135M (float32)."""
+    """Path of the .zlin file holding every Linear of SmolLM2-135M (float32) and its
+    embedding table, which the tied lm_head shares (``compress_model(embeddings=True)``)."""
     import zstd_linear
     from membound_testing import load_smollm2, smollm2_float_dir
     from membound_testing.models import cache_dir
@@ -25,16 +26,18 @@ def compressed_smollm2_path(progress: bool = False) -> Path:
     )
     if not path.is_file():
         model, _ = load_smollm2()
-        zstd_linear.compress_model(model, progress=progress)
+        zstd_linear.compress_model(model, progress=progress, embeddings=True)
         zstd_linear.save_compressed(model, path)
     return path
 
 
 def load_compressed_smollm2(policy: str = "per_pass_prefetch", **policy_options):
-    """(model, tokenizer, report): SmolLM2-135M whose Linear layers come from the .zlin file.
+    """(model, tokenizer, report): SmolLM2-135M whose Linear layers and embedding (the
+    tied lm_head's table) come from the .zlin file.
 
-    The float copy is memory-mapped by the loader, so the plain Linear weights it replaces
-    are never read into memory: the resident Linear bytes are the compressed ones.
+    The float copy is memory-mapped by the loader, so the plain weights it replaces are
+    never read into memory, and the .zlin file is memory-mapped too: the compressed bytes
+    are file-backed pages.
     """
     import zstd_linear
     from membound_testing import load_smollm2
@@ -46,7 +49,8 @@ def load_compressed_smollm2(policy: str = "per_pass_prefetch", **policy_options)
 
 
 def attention_zlin_path() -> Path:
-    """A .zlin file with only the attention projections (q, k, v, o) of every layer.
+    """A .zlin file with only the attention projections (q, k, v, o) of every layer (no
+    embedding).
 
     For models whose MLPs another package replaces first (paired-cache's SparseMLP), so
     that load_compressed finds an nn.Linear for every layer in the file. Cut from the

@@ -10,6 +10,7 @@ decompress_model(model)              # plain nn.Linear again
 from zstd_linear.__about__ import __version__
 from zstd_linear.codec import CodecConfig, EncodedWeight, Frame, encode_weight
 from zstd_linear.decoder import DecodeError, Decoder
+from zstd_linear.embedding import CompressedEmbedding
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.fileformat import FORMAT_VERSION, read_file, write_file
 from zstd_linear.layer import CompressedLinear
@@ -34,6 +35,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "CachePolicy",
     "CodecConfig",
+    "CompressedEmbedding",
     "CompressedFileError",
     "CompressedLinear",
     "CompressionReport",
