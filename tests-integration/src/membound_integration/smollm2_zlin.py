@@ -24,7 +24,7 @@ def compressed_smollm2_path(progress: bool = False) -> Path:
     path = cache_dir() / (
         f"{source.name}-zstd-linear-{zstd_linear.__version__}-v{zstd_linear.FORMAT_VERSION}.zlin"
     )
-    if not path.is_file():
+    if not (path.is_file() and zstd_linear.companion_path(path).is_file()):
         model, _ = load_smollm2()
         zstd_linear.compress_model(model, progress=progress, embeddings=True)
         zstd_linear.save_compressed(model, path)
@@ -32,20 +32,21 @@ def compressed_smollm2_path(progress: bool = False) -> Path:
 
 
 def load_compressed_smollm2(policy: str = "per_pass_prefetch", **policy_options):
-    """(model, tokenizer, report): SmolLM2-135M whose Linear layers and embedding (the
-    tied lm_head's table) come from the .zlin file.
+    """(model, tokenizer, report): SmolLM2-135M built from the .zlin file alone.
 
-    The float copy is memory-mapped by the loader, so the plain weights it replaces are
-    never read into memory, and the .zlin file is memory-mapped too: the compressed bytes
-    are file-backed pages.
+    ``load_compressed(path)`` builds the model on the meta device from the config kept
+    beside the file and fills it from the two mapped files (the compressed Linear layers
+    and embedding, which the tied lm_head shares; the norms): the plain model is never
+    materialised and the compressed bytes are file-backed pages.
     """
-    import zstd_linear
-    from membound_testing import load_smollm2
+    from transformers import PreTrainedTokenizerFast
 
-    path = compressed_smollm2_path()
-    model, tokenizer = load_smollm2()
-    report = zstd_linear.load_compressed(path, model, policy, **policy_options)
-    return model, tokenizer, report
+    import zstd_linear
+    from membound_testing import smollm2_float_dir
+
+    model = zstd_linear.load_compressed(compressed_smollm2_path(), policy=policy, **policy_options)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(smollm2_float_dir()))
+    return model, tokenizer, zstd_linear.compression_report(model)
 
 
 def attention_zlin_path() -> Path:

@@ -268,5 +268,11 @@ def reset_stats(model: nn.Module) -> None:
     runtime_of(model).reset_stats()
 
 
+def compression_report(model: nn.Module) -> CompressionReport:
+    """The CompressionReport of a compressed model's stored modules (as load_compressed
+    with a model returns it; report.skipped is empty)."""
+    return report_of(runtime_of(model).stored_weights(), {})
+
+
 def compressed_layers(model: nn.Module) -> dict[str, CompressedLinear]:
     return dict(runtime_of(model).layers)

@@ -26,6 +26,7 @@ import torch.nn as nn
 from zstd_linear.errors import CompressedFileError
 
 CONFIG_KEY = "zstd_linear_config"
+SOURCE_KEY = "zstd_linear_source"
 _DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -44,9 +45,12 @@ def companion_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".safetensors")
 
 
-def save_companion(model: nn.Module, path: str | os.PathLike, stored: set[str]) -> None:
+def save_companion(
+    model: nn.Module, path: str | os.PathLike, stored: set[str], source=None
+) -> None:
     """Write the state-dict tensors of ``model`` outside the modules named in ``stored``,
-    with its config, to ``companion_path(path)`` (temporary name, then rename)."""
+    with its config (and ``source``, if given), to ``companion_path(path)`` (temporary
+    name, then rename)."""
     from safetensors.torch import save_file
 
     config = model.config.to_dict()
@@ -62,11 +66,26 @@ def save_companion(model: nn.Module, path: str | os.PathLike, stored: set[str]) 
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={CONFIG_KEY: json.dumps(config)})
+        metadata = {CONFIG_KEY: json.dumps(config)}
+        if source is not None:
+            metadata[SOURCE_KEY] = str(Path(source).resolve())
+        save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def recorded_source(path: str | os.PathLike) -> str | None:
+    """The model directory or GGUF file that ``path`` (.zlin) was compressed from, as
+    ``zstd-linear compress`` recorded it; None if not recorded."""
+    from safetensors import safe_open
+
+    companion = companion_path(path)
+    if not companion.is_file():
+        return None
+    with safe_open(str(companion), framework="pt") as f:
+        return (f.metadata() or {}).get(SOURCE_KEY)
 
 
 def _read_companion(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

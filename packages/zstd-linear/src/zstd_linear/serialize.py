@@ -21,19 +21,22 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def save_compressed(model: nn.Module, path: str | os.PathLike) -> None:
+def save_compressed(
+    model: nn.Module, path: str | os.PathLike, *, source: str | os.PathLike | None = None
+) -> None:
     """Write every CompressedLinear (with its bias) and CompressedEmbedding of ``model``
     to ``path`` (.zlin). A tied lm_head is not written: its table is the embedding's.
 
     For a transformers model (one with a ``config``), the rest of it (norms, and any
     Linear left plain) and its config go to ``<path>.safetensors`` beside it, so that
-    ``load_compressed(path)`` can build the model alone."""
+    ``load_compressed(path)`` can build the model alone; ``source`` (the model directory
+    or GGUF it came from) is recorded there for ``zstd-linear run``'s tokenizer."""
     runtime = runtime_of(model)
     write_file(
         path, [(m.name, m.encoded, getattr(m, "bias", None)) for m in runtime.stored_weights()]
     )
     if hasattr(getattr(model, "config", None), "to_dict"):
-        save_companion(model, path, set(runtime.layers) | set(runtime.embeddings))
+        save_companion(model, path, set(runtime.layers) | set(runtime.embeddings), source)
 
 
 def load_compressed(
