@@ -12,6 +12,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+import budget_sweep  # noqa: E402
 import codec  # noqa: E402
 import end_to_end  # noqa: E402
 import fuzz  # noqa: E402
@@ -25,6 +26,8 @@ def main() -> None:
         codec.run(quick=quick)
     if not only or "end_to_end" in only:
         end_to_end.run(quick=quick, repeats=repeats)
+    if not only or "budget_sweep" in only:
+        budget_sweep.run(quick=quick, repeats=repeats)
     if not only or "fuzz" in only:
         fuzz.run(mutants=200 if quick else 2000, save=not quick)
 

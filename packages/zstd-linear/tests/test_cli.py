@@ -49,3 +49,50 @@ def test_errors_are_reported_not_raised(checkpoint, tmp_path, capsys):
     assert main(["compress", str(path), str(tmp_path / "x.zlin"), "--include", "nope*"]) == 2
     assert "matches the filters" in capsys.readouterr().err
     assert main(["compress", str(tmp_path / "missing"), str(tmp_path / "x.zlin")]) == 2
+
+
+def test_compress_a_model_directory_and_run_it_from_the_file_alone(tmp_path, capsys):
+    """An HF directory (a tiny random Llama with SmolLM2's vocabulary and tokenizer) ->
+    .zlin + companion -> ``run`` builds the model from the files and generates the plain
+    model's greedy tokens."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from membound_testing import smollm2_float_dir
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    plain = LlamaForCausalLM(config).eval()
+    src = tmp_path / "tiny"
+    plain.save_pretrained(src)
+    out = tmp_path / "tiny.zlin"
+    capsys.readouterr()
+    assert main(["compress", str(src), str(out), "--level", "1"]) == 0
+    captured = capsys.readouterr()
+    bars = [line for line in captured.err.split("\r") if line.startswith("compress [")]
+    assert "0/15" in bars[0]  # drawn before the first layer is encoded
+    assert "15/15" in captured.err  # 2 x 7 Linear + the embedding (lm_head tied to it)
+    assert "tiny.zlin.safetensors" in captured.out
+    tokenizer = smollm2_float_dir()
+    prompt = "The capital of France is"
+    argv = ["run", str(out), "--prompt", prompt, "--max-new-tokens", "5"]
+    assert main([*argv, "--tokenizer", str(tokenizer)]) == 0
+    generated = capsys.readouterr().out.strip()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    ids = tok(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        ref = plain.generate(**ids, max_new_tokens=5, do_sample=False)
+    expected = tok.decode(ref[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert generated == expected.strip()
+    # The source was recorded, so --tokenizer is optional; it is the directory, which
+    # has no tokenizer here: a clear error, not a traceback.
+    assert main(argv) == 2
+    assert "zstd-linear run: error" in capsys.readouterr().err

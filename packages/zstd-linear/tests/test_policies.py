@@ -133,7 +133,11 @@ def test_bad_arguments_leave_the_model_unchanged():
     before = [type(m) for m in model.modules()]
     for kwargs, message in [
         ({"policy": "lru"}, "policy must be one of"),
-        ({"policy": "budget", "budget_bytes": 10}, "budget_bytes must be >="),
+        ({"policy": "budget", "budget_bytes": -1}, "budget_bytes must be an int >= 0"),
+        ({"policy": "budget"}, "exactly one of budget_bytes"),
+        ({"policy": "budget", "budget_bytes": 0, "memory_limit": 1}, "exactly one of"),
+        ({"policy": "budget", "memory_limit": 1.5}, "memory_limit must be an int"),
+        ({"policy": "budget", "budget_bytes": 0, "window": 0}, "window must be"),
         ({"policy": "per_pass_prefetch", "window": 0}, "window must be"),
         ({"policy": "none", "window": 2}, "bad options"),
         ({"include": "blocks"}, "must match an nn.Linear, it matches \\['ModuleList'\\]"),
@@ -156,22 +160,118 @@ def test_double_compression_and_bad_policy_switch_are_rejected():
     with pytest.raises(ValueError, match="already compressed"):
         compress_model(model)
     with pytest.raises(ValueError, match="budget_bytes"):
-        set_policy(model, "budget", budget_bytes=1)
+        set_policy(model, "budget", budget_bytes=-1)
     assert model.zstd_linear_runtime.policy.name == "none"  # unchanged
     reset_stats(model)
     assert compression_stats(model).decompressions == 0
 
 
-class BudgetMachine(RuleBasedStateMachine):
-    """The budget policy against a plain list used as an LRU of layer names."""
+def budget_model(**options):
+    plain, model = make_toy(), make_toy()
+    compress_model(model, policy="budget", **options)
+    return plain, model, model.zstd_linear_runtime.policy
 
-    @initialize(capacity=st.integers(1, 5))
+
+def run_passes(plain, model, n: int = 4) -> None:
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.randn(2, 32)
+            assert torch.equal(model(x), plain(x))
+
+
+def total_bytes(model) -> int:
+    return sum(lyr.encoded.original_bytes for lyr in compressed_layers(model).values())
+
+
+def test_budget_zero_is_per_pass_prefetch():
+    plain, model, policy = budget_model(budget_bytes=0)
+    assert policy.pinned == frozenset()
+    reference = make_toy()
+    compress_model(reference, policy="per_pass_prefetch")
+    run_passes(plain, model)
+    run_passes(plain, reference)
+    for m in (model, reference):
+        set_policy(m, "none")  # waits for the prefetch of the next pass to finish
+    assert compression_stats(model).decompressions == compression_stats(reference).decompressions
+    assert compression_stats(model).peak_decoded_bytes == 2 * SLAB
+    assert policy.hit_rates == [0.0, 0.0, 0.0]
+
+
+def test_budget_of_the_total_is_resident():
+    plain, model, policy = budget_model(budget_bytes=total_bytes(make_compressed_toy()))
+    assert policy.pinned == frozenset(compressed_layers(model))
+    run_passes(plain, model)
+    stats = compression_stats(model)
+    assert stats.decompressions == N_LAYERS  # each layer once, as under resident
+    assert stats.peak_decoded_bytes == total_bytes(model)
+    assert policy.hit_rates == [0.0, 1.0, 1.0]
+
+
+def make_compressed_toy():
+    model = make_toy()
+    compress_model(model, policy="none")
+    return model
+
+
+def test_budget_pins_a_fixed_set_and_streams_the_rest():
+    budget = total_bytes(make_compressed_toy()) // 2
+    plain, model, policy = budget_model(budget_bytes=budget)
+    layers = compressed_layers(model)
+    assert 0 < policy.pinned_bytes <= budget
+    assert policy.pinned_bytes == sum(layers[n].encoded.original_bytes for n in policy.pinned)
+    # Nothing left out would still fit: the set is maximal.
+    left = [n for n in layers if n not in policy.pinned]
+    assert all(policy.pinned_bytes + layers[n].encoded.original_bytes > budget for n in left)
+    run_passes(plain, model, n=5)
+    stats = compression_stats(model)
+    # Pinned layers decode once; the streamed ones once per pass (the first pass
+    # decodes on demand while prefetch records the order; prefetch may run ahead).
+    streamed = len(left)
+    assert 5 * streamed + len(policy.pinned) <= stats.decompressions
+    assert stats.decompressions <= 5 * streamed + len(policy.pinned) + 2
+    expected = len(policy.pinned) / N_LAYERS
+    assert policy.hit_rates[0] == 0.0
+    assert policy.hit_rates[1:] == [expected] * 3
+    assert stats.peak_decoded_bytes <= policy.pinned_bytes + 2 * SLAB
+
+
+def test_memory_limit_sizes_the_pinned_set_from_what_the_process_has_left():
+    from zstd_linear.policies.budget import anonymous_rss
+
+    _, _, none_fits = budget_model(memory_limit=0)
+    assert none_fits.pinned == frozenset() and none_fits.budget_bytes == 0
+    _, model, all_fit = budget_model(memory_limit=anonymous_rss() + (1 << 40))
+    assert all_fit.pinned == frozenset(compressed_layers(model))
+    _, _, some = budget_model(memory_limit=anonymous_rss() + (64 << 20) + 2 * SLAB + (64 << 20))
+    # Left after RssAnon, 2 slabs of window and 64 MiB of headroom: 64 MiB, less what
+    # RssAnon grew by between the two reads.
+    assert (32 << 20) < some.budget_bytes <= 64 << 20
+
+
+def test_choose_pinned_keeps_the_costliest_bytes():
+    from zstd_linear.policies.budget import choose_pinned
+
+    sizes = {"a": 100, "b": 100, "c": 50, "d": 60}
+    costs = {"a": 100.0, "b": 400.0, "c": 150.0, "d": 60.0}
+    assert choose_pinned(sizes, costs, 0) == []
+    assert choose_pinned(sizes, costs, 150) == ["b", "c"]  # 550 saved
+    assert choose_pinned(sizes, costs, 160) == ["b", "c"]
+    assert sorted(choose_pinned(sizes, costs, 310)) == ["a", "b", "c", "d"]
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """The budget policy against a dumb model: a fixed pinned set decodes on first use,
+    every other layer on every call (no pass runs, so prefetch never starts)."""
+
+    @initialize(capacity=st.integers(0, 10))
     def setup(self, capacity):
         self.plain, self.model = make_toy(), make_toy()
-        compress_model(self.model, policy="budget", budget_bytes=capacity * SLAB + 7)
-        self.capacity = capacity
+        budget = capacity * SLAB // 2 + 7
+        compress_model(self.model, policy="budget", budget_bytes=budget)
+        self.budget = budget
+        self.policy = self.model.zstd_linear_runtime.policy
         self.names = sorted(compressed_layers(self.model))
-        self.lru: list[str] = []
+        self.decoded: set[str] = set()
         self.decodes = 0
 
     @rule(index=st.integers(0, N_LAYERS - 1))
@@ -180,23 +280,22 @@ class BudgetMachine(RuleBasedStateMachine):
         x = torch.randn(2, self.model.get_submodule(name).in_features)
         with torch.no_grad():
             assert torch.equal(self.model.get_submodule(name)(x), self.plain.get_submodule(name)(x))
-        if name in self.lru:
-            self.lru.remove(name)
-        else:
+        if name not in self.policy.pinned:
             self.decodes += 1
-            if len(self.lru) == self.capacity:
-                self.lru.pop(0)
-        self.lru.append(name)
+        elif name not in self.decoded:
+            self.decoded.add(name)
+            self.decodes += 1
 
     @invariant()
     def matches_the_model(self):
         if not hasattr(self, "model"):
             return
-        assert self.model.zstd_linear_runtime.policy.cached() == self.lru
+        assert self.policy.cached() == sorted(self.decoded)
         stats = compression_stats(self.model)
         assert stats.decompressions == self.decodes
-        assert stats.decoded_bytes <= self.capacity * SLAB
+        assert self.policy.pinned_bytes <= self.budget
+        assert stats.decoded_bytes <= self.policy.pinned_bytes + SLAB
 
 
-TestBudgetLRU = BudgetMachine.TestCase
-TestBudgetLRU.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestBudget = BudgetMachine.TestCase
+TestBudget.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 def compressed_smollm2_path(progress: bool = False) -> Path:
-    """Path of the .zlin file holding every untied Linear of SmolLM2-135M (float32)."""
+    """Path of the .zlin file holding every Linear of SmolLM2-135M (float32) and its
+    embedding table, which the tied lm_head shares (``compress_model(embeddings=True)``)."""
     import zstd_linear
     from membound_testing import load_smollm2, smollm2_float_dir
     from membound_testing.models import cache_dir
@@ -23,30 +24,34 @@ def compressed_smollm2_path(progress: bool = False) -> Path:
     path = cache_dir() / (
         f"{source.name}-zstd-linear-{zstd_linear.__version__}-v{zstd_linear.FORMAT_VERSION}.zlin"
     )
-    if not path.is_file():
+    if not (path.is_file() and zstd_linear.companion_path(path).is_file()):
         model, _ = load_smollm2()
-        zstd_linear.compress_model(model, progress=progress)
+        zstd_linear.compress_model(model, progress=progress, embeddings=True)
         zstd_linear.save_compressed(model, path)
     return path
 
 
 def load_compressed_smollm2(policy: str = "per_pass_prefetch", **policy_options):
-    """(model, tokenizer, report): SmolLM2-135M whose Linear layers come from the .zlin file.
+    """(model, tokenizer, report): SmolLM2-135M built from the .zlin file alone.
 
-    The float copy is memory-mapped by the loader, so the plain Linear weights it replaces
-    are never read into memory: the resident Linear bytes are the compressed ones.
+    ``load_compressed(path)`` builds the model on the meta device from the config kept
+    beside the file and fills it from the two mapped files (the compressed Linear layers
+    and embedding, which the tied lm_head shares; the norms): the plain model is never
+    materialised and the compressed bytes are file-backed pages.
     """
-    import zstd_linear
-    from membound_testing import load_smollm2
+    from transformers import PreTrainedTokenizerFast
 
-    path = compressed_smollm2_path()
-    model, tokenizer = load_smollm2()
-    report = zstd_linear.load_compressed(path, model, policy, **policy_options)
-    return model, tokenizer, report
+    import zstd_linear
+    from membound_testing import smollm2_float_dir
+
+    model = zstd_linear.load_compressed(compressed_smollm2_path(), policy=policy, **policy_options)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(smollm2_float_dir()))
+    return model, tokenizer, zstd_linear.compression_report(model)
 
 
 def attention_zlin_path() -> Path:
-    """A .zlin file with only the attention projections (q, k, v, o) of every layer.
+    """A .zlin file with only the attention projections (q, k, v, o) of every layer (no
+    embedding).
 
     For models whose MLPs another package replaces first (paired-cache's SparseMLP), so
     that load_compressed finds an nn.Linear for every layer in the file. Cut from the

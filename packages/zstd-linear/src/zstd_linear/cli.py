@@ -1,4 +1,4 @@
-"""``zstd-linear compress | inspect | bench``."""
+"""``zstd-linear compress | run | inspect | bench``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, 
 from zstd_linear.decoder import Decoder, default_threads
 from zstd_linear.fileformat import read_file, write_file
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+from zstd_linear.model import compress_model, compression_stats
+from zstd_linear.policies import POLICIES
+from zstd_linear.pretrained import companion_path, recorded_source
 from zstd_linear.progress import ProgressBar
 from zstd_linear.report import CompressionReport, LayerReport
+from zstd_linear.serialize import load_compressed, save_compressed
 
 
 def _safetensors_files(src: Path) -> list[Path]:
@@ -50,7 +54,56 @@ def _load_linear_tensors(src: Path, include: list[str], exclude: list[str]):
     return chosen
 
 
+def _is_model_source(src: Path) -> bool:
+    return (src.is_dir() and (src / "config.json").is_file()) or src.suffix == ".gguf"
+
+
+def _load_model(src: Path):
+    """A transformers model (and the source to record) from an HF directory or a GGUF
+    file (transformers dequantises GGUF to float32)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ValueError(
+            "compressing a model directory or GGUF needs transformers: "
+            "pip install 'zstd-linear[hf]'"
+        ) from None
+    if not src.exists():
+        raise ValueError(f"SRC {src} does not exist")
+    if src.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(src))
+    return model.eval()
+
+
+def _compress_model_source(args, src: Path) -> int:
+    print(f"loading {src} with transformers ...", file=sys.stderr, flush=True)
+    model = _load_model(src)
+    report = compress_model(
+        model,
+        include=args.include or None,
+        exclude=args.exclude,
+        level=args.level,
+        layout=args.layout,
+        chunk_bytes=args.chunk_kib * 1024,
+        threads=args.threads,
+        progress=True,
+        embeddings=True,
+        policy="none",
+    )
+    save_compressed(model, args.out, source=src)
+    print(
+        f"{len(report.layers)} layers, {report.original_bytes} -> {report.compressed_bytes} "
+        f"bytes (ratio {report.ratio:.3f}) written to {args.out} (+ {companion_path(args.out).name})"
+    )
+    return 0
+
+
 def cmd_compress(args) -> int:
+    src = Path(args.src)
+    if _is_model_source(src):
+        return _compress_model_source(args, src)
     config = CodecConfig(level=args.level, layout=args.layout, chunk_bytes=args.chunk_kib * 1024)
     tensors = _load_linear_tensors(Path(args.src), args.include, args.exclude)
     bar = ProgressBar(len(tensors))
@@ -76,6 +129,42 @@ def _report(entries) -> CompressionReport:
             for name, e, _ in entries
         ]
     )
+
+
+def cmd_run(args) -> int:
+    model = load_compressed(args.file, policy=args.policy, threads=args.threads)
+    tokenizer = _tokenizer(args)
+    text = args.prompt
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+        )
+    ids = tokenizer(text, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+    print(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    stats = compression_stats(model)
+    print(
+        f"[{stats.forward_passes} passes, {stats.decompressions_per_pass:.0f} decodes/pass, "
+        f"decoded {stats.peak_decoded_bytes / 2**20:.1f} MiB peak (anonymous), compressed "
+        f"{stats.compressed_file_bytes / 2**20:.1f} MiB file-backed]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _tokenizer(args):
+    from transformers import AutoTokenizer
+
+    if args.tokenizer:
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    source = recorded_source(args.file)
+    if source is None:
+        raise ValueError(f"{args.file} records no source model: pass --tokenizer DIR")
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def cmd_inspect(args) -> int:
@@ -110,8 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="zstd-linear", description="Lossless zstd-compressed Linear weights."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compress", help="compress the Linear weights of a safetensors checkpoint")
-    c.add_argument("src", help="a .safetensors file or a directory of them")
+    c = sub.add_parser(
+        "compress",
+        help="compress a model (HF directory or GGUF: Linear layers and embeddings, loadable "
+        "alone) or the Linear weights of a safetensors checkpoint",
+    )
+    c.add_argument(
+        "src",
+        help="a Hugging Face model directory (config.json), a .gguf file, or a "
+        ".safetensors file / directory of them (tensors only)",
+    )
     c.add_argument("out", help="the .zlin file to write")
     c.add_argument("--include", action="append", default=[], help="glob over layer names")
     c.add_argument("--exclude", action="append", default=[], help="glob, e.g. '*embed*'")
@@ -120,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024)
     c.add_argument("--threads", type=int, default=default_threads())
     c.set_defaults(func=cmd_compress)
+    r = sub.add_parser("run", help="greedy generation from a .zlin file and its companion")
+    r.add_argument("file")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--max-new-tokens", type=int, default=32)
+    r.add_argument("--policy", choices=sorted(POLICIES), default="per_pass_prefetch")
+    r.add_argument("--threads", type=int, default=default_threads())
+    r.add_argument("--tokenizer", help="tokenizer directory (default: the recorded source)")
+    r.add_argument("--chat", action="store_true", help="apply the chat template")
+    r.set_defaults(func=cmd_run)
     i = sub.add_parser("inspect", help="per-layer table of a .zlin file")
     i.add_argument("file")
     i.set_defaults(func=cmd_inspect)

@@ -66,10 +66,18 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class Frame:
-    """One plane of one chunk: zstd-compressed bytes, or the plane's raw bytes."""
+    """One plane of one chunk: zstd-compressed bytes, or the plane's raw bytes.
 
-    data: bytes
+    data: ``bytes`` (anonymous memory) after encode_weight; a read-only memoryview of
+    the file's mapping (file-backed pages) after read_file / load_compressed.
+    """
+
+    data: bytes | memoryview
     raw: bool
+
+    @property
+    def file_backed(self) -> bool:
+        return isinstance(self.data, memoryview)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,11 @@ class EncodedWeight:
     @property
     def compressed_bytes(self) -> int:
         return sum(len(f.data) for chunk in self.frames for f in chunk)
+
+    @property
+    def file_backed_bytes(self) -> int:
+        """Compressed bytes that are pages of a mapped file (the rest are anonymous)."""
+        return sum(len(f.data) for chunk in self.frames for f in chunk if f.file_backed)
 
     @property
     def torch_dtype(self) -> torch.dtype:

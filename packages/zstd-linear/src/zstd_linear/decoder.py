@@ -89,14 +89,33 @@ class Decoder:
             )
         target = out.numpy()
         n_chunks = len(encoded.frames)
+        width = encoded.itemsize
+
+        def dst(c: int) -> np.ndarray:  # (E * width,) uint8, chunk c's slice
+            start, stop = encoded.chunk_range(c)
+            return target[start * width : stop * width]
+
         if self._pool is None or n_chunks == 1:
             for c in range(n_chunks):
-                self._decode_chunk(encoded, c, target)
+                self._decode_chunk(encoded, c, dst(c))
             return
         for future in [
-            self._pool.submit(self._decode_chunk, encoded, c, target) for c in range(n_chunks)
+            self._pool.submit(self._decode_chunk, encoded, c, dst(c)) for c in range(n_chunks)
         ]:
             future.result()
+
+    def decode_chunk_into(self, encoded: EncodedWeight, c: int, out: torch.Tensor) -> None:
+        """Decode chunk ``c`` alone into ``out``: a uint8 CPU tensor of exactly the chunk's
+        bytes (elements ``encoded.chunk_range(c)``, row-major), in the calling thread."""
+        if not 0 <= c < len(encoded.frames):
+            raise ValueError(f"chunk must be in 0..{len(encoded.frames) - 1}, got {c}")
+        start, stop = encoded.chunk_range(c)
+        nbytes = (stop - start) * encoded.itemsize
+        if out.dtype != torch.uint8 or out.numel() != nbytes:
+            raise ValueError(
+                f"out must be a uint8 tensor of {nbytes} bytes, got {out.dtype} of {out.numel()}"
+            )
+        self._decode_chunk(encoded, c, out.numpy())
 
     def decode(self, encoded: EncodedWeight) -> torch.Tensor:
         """A freshly allocated decoded weight, shape ``encoded.shape``, its dtype."""
@@ -104,10 +123,8 @@ class Decoder:
         self.decode_into(encoded, out)
         return view_weight(out, encoded)
 
-    def _decode_chunk(self, encoded: EncodedWeight, c: int, target: np.ndarray) -> None:
-        start, stop = encoded.chunk_range(c)
-        width = encoded.itemsize
-        dst = target[start * width : stop * width]  # (E * width,) uint8
+    def _decode_chunk(self, encoded: EncodedWeight, c: int, dst: np.ndarray) -> None:
+        start, stop = encoded.chunk_range(c)  # dst: (E * width,) uint8, the chunk's bytes
         n = stop - start
         layout = LAYOUTS[encoded.layout]
         scratch = self._scratch

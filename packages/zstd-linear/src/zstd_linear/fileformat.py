@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import struct
 import tempfile
@@ -132,12 +133,16 @@ def _weight_crc32(encoded: EncodedWeight) -> int:
 def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[Entry]:
     """Read and fully verify a .zlin file; returns [(name, encoded, bias or None)].
 
-    Every weight is decoded once (with ``threads`` threads, into one reused buffer the
-    size of the largest layer) and checked against its recorded checksum.
+    The file is memory-mapped read-only and every frame's ``data`` is a memoryview of
+    the mapping: compressed bytes stay file-backed pages, which the kernel can drop
+    under memory pressure and read again, never anonymous copies. Every weight is
+    decoded once (with ``threads`` threads, into one reused buffer the size of the
+    largest layer) and checked against its recorded checksum. Biases are copied
+    (out_features values each).
     """
     path = Path(path)
-    size = path.stat().st_size
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
             raise fail(path, None, f"truncated: {size} bytes is shorter than the prefix")
@@ -163,19 +168,27 @@ def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[En
         header = f.read(header_len)
         if zlib.crc32(header) != header_crc:
             raise fail(path, None, "header checksum mismatch (corrupted)")
-        data_size = size - _PREFIX.size - header_len
+        data_start = _PREFIX.size + header_len
+        data_size = size - data_start
         layers = parse_header(path, header, version, data_size)
-        data = f.read(data_size)
-    if len(data) != data_size:
-        raise fail(
-            path, None, f"the file changed while it was read ({len(data)} of {data_size} bytes)"
-        )
+        data = _map_data(f, data_start, data_size)
     entries = [_entry(path, layer, data) for layer in layers]
     _verify_weights(path, entries, layers, threads)
     return entries
 
 
-def _entry(path, layer: LayerSpec, data: bytes) -> Entry:
+def _map_data(f, start: int, size: int) -> memoryview:
+    """The data section as a read-only memoryview of a private mapping of the file."""
+    if size == 0:
+        return memoryview(b"")
+    # mmap offsets must be page-aligned: map from the page holding ``start``.
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(f.fileno(), start + size - aligned, access=mmap.ACCESS_READ, offset=aligned)
+    # The memoryviews keep the mapping alive for as long as any frame refers to it.
+    return memoryview(mapping)[start - aligned :]
+
+
+def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
     name = layer.name
     frames = []
     for k, spec in enumerate(layer.frames):

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
 from zstd_linear.decoder import check_threads
+from zstd_linear.embedding import CompressedEmbedding
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.layout import SUPPORTED_DTYPES, dtype_name
 from zstd_linear.policies import POLICIES
@@ -89,27 +90,54 @@ def runtime_of(model: nn.Module) -> ModelRuntime:
     return runtime
 
 
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def tied_to(model: nn.Module, embedding_name: str) -> list[str]:
+    """Names of the nn.Linear modules whose weight is the embedding's parameter."""
+    owners = _tied_names(model)
+    weight = model.get_submodule(embedding_name).weight
+    names = [n.removesuffix(".weight") for n in owners[id(weight)]]
+    return [n for n in names if isinstance(model.get_submodule(n), nn.Linear)]
+
+
+def check_embedding(name: str, module: nn.Module) -> None:
+    if module.max_norm is not None:
+        raise ValueError(f"embedding {name!r} has max_norm (it renormalises rows): not supported")
+    if module.weight.device.type != "cpu":
+        raise ValueError(f"embedding {name!r} must be on the CPU, got {module.weight.device}")
+    if module.weight.numel() == 0:
+        raise ValueError(f"embedding {name!r} is empty")
+    dtype_name(module.weight.dtype)
+
+
 def install(
     model: nn.Module,
     layers: dict[str, CompressedLinear],
     policy: str,
     threads: int | None,
     policy_options: dict,
+    embeddings: dict[str, CompressedEmbedding] | None = None,
 ) -> ModelRuntime:
-    """Swap ``layers`` (fqn -> CompressedLinear) into ``model`` and attach the runtime."""
+    """Swap ``layers`` (fqn -> CompressedLinear) and ``embeddings`` (fqn ->
+    CompressedEmbedding) into ``model`` and attach the runtime."""
     if RUNTIME_ATTR in model.__dict__:
         raise ValueError("model is already compressed: call decompress_model first")
-    runtime = ModelRuntime(layers, policy=policy, threads=threads, **policy_options)
-    for name, layer in layers.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer)
+    runtime = ModelRuntime(
+        layers, policy=policy, threads=threads, embeddings=embeddings, **policy_options
+    )
+    for name, module in {**layers, **(embeddings or {})}.items():
+        _swap(model, name, module)
     runtime.clock.attach(model)
     model.__dict__[RUNTIME_ATTR] = runtime
     return runtime
 
 
-def report_of(layers: Iterable[CompressedLinear], skipped: dict[str, str]) -> CompressionReport:
+def report_of(layers: Iterable, skipped: dict[str, str]) -> CompressionReport:
+    """layers: the stored CompressedLinear / CompressedEmbedding modules."""
     return CompressionReport(
         layers=[
             LayerReport(
@@ -119,6 +147,7 @@ def report_of(layers: Iterable[CompressedLinear], skipped: dict[str, str]) -> Co
                 layout=lyr.encoded.layout,
                 original_bytes=lyr.encoded.original_bytes,
                 compressed_bytes=lyr.encoded.compressed_bytes,
+                file_backed_bytes=lyr.encoded.file_backed_bytes,
             )
             for lyr in layers
         ],
@@ -137,16 +166,19 @@ def compress_model(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
     progress: bool = False,
+    embeddings: bool = False,
     **policy_options,
 ) -> CompressionReport:
     """Replace ``model``'s nn.Linear layers by CompressedLinear, in place.
 
     include / exclude: globs over fully qualified module names (default: every
     Linear). A Linear whose weight is tied to another parameter stays plain and is
-    listed in ``report.skipped``. policy: a POLICIES name; policy_options go to it
-    (``window`` for per_pass_prefetch, ``budget_bytes`` for budget). threads: decode
-    and compression threads (default min(2, cores)). Everything is validated before
-    the model changes.
+    listed in ``report.skipped``. embeddings: also compress every nn.Embedding (into
+    CompressedEmbedding); a Linear tied to one (SmolLM2's lm_head) then becomes a
+    CompressedLinear over the same compressed table, stored once. policy: a POLICIES name; policy_options go to it
+    (``window`` for per_pass_prefetch; ``budget_bytes`` or ``memory_limit``, and
+    ``window``, for budget). threads: decode and compression threads (default
+    min(2, cores)). Everything is validated before the model changes.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -157,27 +189,52 @@ def compress_model(
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     names, skipped = select_linears(model, include, exclude)
-    bar = ProgressBar(len(names)) if progress else None
+    tables = (
+        [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)] if embeddings else []
+    )
+    for name in tables:
+        check_embedding(name, model.get_submodule(name))
+    modules = [model.get_submodule(name) for name in names + tables]
+    bar = ProgressBar(len(modules)) if progress else None
     layers: dict[str, CompressedLinear] = {}
-    linears = [model.get_submodule(name) for name in names]
-    for linear in linears:
-        dtype_name(linear.weight.dtype)
-    layers: dict[str, CompressedLinear] = {}
+    compressed_tables: dict[str, CompressedEmbedding] = {}
     # Layers are encoded concurrently (zstd releases the GIL), in order for the bar.
     with ThreadPoolExecutor(threads) as pool:
-        encoded = pool.map(lambda lin: encode_weight(lin.weight, config), linears)
-        for name, linear, enc in zip(names, linears, encoded, strict=True):
-            layers[name] = CompressedLinear(enc, linear.bias, name)
+        encoded = pool.map(lambda m: encode_weight(m.weight, config), modules)
+        for name, module, enc in zip(names + tables, modules, encoded, strict=True):
+            if isinstance(module, nn.Embedding):
+                compressed_tables[name] = CompressedEmbedding(enc, name, module.padding_idx)
+            else:
+                layers[name] = CompressedLinear(enc, module.bias, name)
             if bar is not None:
                 bar.advance(name)
-    install(model, layers, policy, threads, policy_options)
-    return report_of(layers.values(), skipped)
+    for name, table in compressed_tables.items():
+        for head in tied_to(model, name):
+            layers[head] = CompressedLinear(table.encoded, model.get_submodule(head).bias, head)
+            skipped.pop(head, None)
+    install(model, layers, policy, threads, policy_options, compressed_tables)
+    return report_of(model.__dict__[RUNTIME_ATTR].stored_weights(), skipped)
 
 
 def decompress_model(model: nn.Module) -> nn.Module:
     """Put plain nn.Linear layers (bit-identical weights) back and detach the runtime."""
     runtime = runtime_of(model)
-    decoded = {name: layer.weight for name, layer in runtime.layers.items()}
+    tables = {}
+    for name, table in runtime.embeddings.items():
+        restored = nn.Embedding(
+            table.num_embeddings,
+            table.embedding_dim,
+            padding_idx=table.padding_idx,
+            _weight=table.weight,
+            _freeze=False,
+        )
+        tables[id(table.encoded)] = restored.weight
+        _swap(model, name, restored)
+    decoded = {}
+    for name, layer in runtime.layers.items():
+        # A tied lm_head takes the restored table itself (no second decode).
+        tied = tables.get(id(layer.encoded))
+        decoded[name] = layer.weight if tied is None else tied
     runtime.close()
     for name, layer in runtime.layers.items():
         weight = decoded[name]
@@ -188,12 +245,11 @@ def decompress_model(model: nn.Module) -> nn.Module:
             dtype=weight.dtype,
             device="meta",
         )
-        linear.weight = nn.Parameter(weight)
+        # A tied lm_head gets the restored embedding's parameter itself: tied again.
+        linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         if layer.bias is not None:
             linear.bias = nn.Parameter(layer.bias.detach())
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, linear)
+        _swap(model, name, linear)
     del model.__dict__[RUNTIME_ATTR]
     return model
 
@@ -210,6 +266,12 @@ def compression_stats(model: nn.Module) -> DecodeStats:
 
 def reset_stats(model: nn.Module) -> None:
     runtime_of(model).reset_stats()
+
+
+def compression_report(model: nn.Module) -> CompressionReport:
+    """The CompressionReport of a compressed model's stored modules (as load_compressed
+    with a model returns it; report.skipped is empty)."""
+    return report_of(runtime_of(model).stored_weights(), {})
 
 
 def compressed_layers(model: nn.Module) -> dict[str, CompressedLinear]:

@@ -16,9 +16,13 @@ class ProgressBar:
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
         self._start = time.perf_counter()
+        self._draw("")  # at once: the first layer can take seconds to encode
 
     def advance(self, note: str = "") -> None:
         self.done += 1
+        self._draw(note)
+
+    def _draw(self, note: str) -> None:
         width = 30
         filled = width * self.done // self.total
         bar = "#" * filled + "." * (width - filled)

@@ -13,6 +13,7 @@ class LayerReport:
     layout: str
     original_bytes: int
     compressed_bytes: int
+    file_backed_bytes: int = 0  # of compressed_bytes: pages of the mapped .zlin file
 
     @property
     def ratio(self) -> float:
@@ -33,6 +34,17 @@ class CompressionReport:
     @property
     def compressed_bytes(self) -> int:
         return sum(layer.compressed_bytes for layer in self.layers)
+
+    @property
+    def file_backed_bytes(self) -> int:
+        """Compressed bytes that are pages of the mapped .zlin file (load_compressed):
+        the kernel can drop them under a memory limit and read them again."""
+        return sum(layer.file_backed_bytes for layer in self.layers)
+
+    @property
+    def anonymous_bytes(self) -> int:
+        """Compressed bytes held in anonymous memory (compress_model's frames)."""
+        return self.compressed_bytes - self.file_backed_bytes
 
     @property
     def ratio(self) -> float:

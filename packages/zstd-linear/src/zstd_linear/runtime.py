@@ -15,6 +15,7 @@ from zstd_linear.decoder import Decoder, check_threads
 from zstd_linear.stats import DecodeStats
 
 if TYPE_CHECKING:
+    from zstd_linear.embedding import CompressedEmbedding
     from zstd_linear.layer import CompressedLinear
     from zstd_linear.policies.base import CachePolicy
 
@@ -24,6 +25,8 @@ class ModelRuntime:
 
     layers: fully qualified module name -> CompressedLinear (names, never short names,
     identify layers everywhere: the caches, the prefetch order and the file format).
+    embeddings: name -> CompressedEmbedding; a layer whose EncodedWeight is an
+    embedding's (a tied lm_head) shares its frames.
     """
 
     def __init__(
@@ -31,6 +34,7 @@ class ModelRuntime:
         layers: dict[str, CompressedLinear],
         policy: str = "per_pass_prefetch",
         threads: int | None = None,
+        embeddings: dict[str, CompressedEmbedding] | None = None,
         **policy_options,
     ):
         from zstd_linear.policies import make_policy
@@ -39,11 +43,18 @@ class ModelRuntime:
         if not layers:
             raise ValueError("layers must name at least one CompressedLinear, got none")
         self.layers = dict(layers)
+        self.embeddings = dict(embeddings or {})
         self.stats = DecodeStats()
+        stored = {id(e.encoded): e.encoded for e in self.stored_weights()}.values()
+        file_bytes = sum(e.file_backed_bytes for e in stored)
+        self.stats.compressed_file_bytes = file_bytes
+        self.stats.compressed_anonymous_bytes = sum(e.compressed_bytes for e in stored) - file_bytes
         self.clock = PassClock()
-        self.pool = BufferPool(
-            max(lyr.encoded.original_bytes for lyr in layers.values()), self.stats
-        )
+        # Slabs fit every Linear but a tied lm_head (the embedding table, ~25x a Linear of
+        # SmolLM2), which gets a slab of its own size instead of inflating every slab.
+        tied = {id(e.encoded) for e in self.embeddings.values()}
+        own = [lyr for lyr in layers.values() if id(lyr.encoded) not in tied] or layers.values()
+        self.pool = BufferPool(max(lyr.encoded.original_bytes for lyr in own), self.stats)
         self._stats_lock = threading.Lock()
         # Built before anything else starts threads, so bad options leave nothing behind.
         self.policy: CachePolicy = make_policy(policy, self, **policy_options)
@@ -51,6 +62,13 @@ class ModelRuntime:
         self.clock.subscribe(self._on_pass)
         for layer in self.layers.values():
             layer._runtime = self
+
+    def stored_weights(self) -> list:
+        """The model's compressed modules (layers and embeddings) as stored: a tied
+        lm_head shares its embedding's EncodedWeight and is left out."""
+        tied = {id(e.encoded) for e in self.embeddings.values()}
+        plain = [lyr for lyr in self.layers.values() if id(lyr.encoded) not in tied]
+        return plain + list(self.embeddings.values())
 
     def _on_pass(self, index: int) -> None:
         self.stats.forward_passes += 1

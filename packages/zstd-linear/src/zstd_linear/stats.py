@@ -14,7 +14,11 @@ class DecodeStats:
     seconds_decoding: wall time inside decodes (in the background under prefetch).
     seconds_waiting: time forward calls waited for a prefetched weight.
     decoded_bytes / peak_decoded_bytes: decoded-weight memory held now / at most,
-    counting reusable buffers whether or not they hold a live weight.
+    counting reusable buffers whether or not they hold a live weight. Decoded weights
+    are always anonymous memory.
+    compressed_anonymous_bytes / compressed_file_bytes: the compressed frames, in
+    anonymous memory (compress_model) or as pages of the mapped .zlin file
+    (load_compressed), which a memory limit can evict and the kernel read again.
     """
 
     forward_passes: int = 0
@@ -24,6 +28,17 @@ class DecodeStats:
     seconds_waiting: float = 0.0
     decoded_bytes: int = 0
     peak_decoded_bytes: int = 0
+    compressed_anonymous_bytes: int = 0
+    compressed_file_bytes: int = 0
+
+    @property
+    def anonymous_bytes(self) -> int:
+        """Anonymous bytes the model's compressed layers hold now (decoded + frames)."""
+        return self.decoded_bytes + self.compressed_anonymous_bytes
+
+    @property
+    def peak_anonymous_bytes(self) -> int:
+        return self.peak_decoded_bytes + self.compressed_anonymous_bytes
 
     @property
     def decompressions_per_pass(self) -> float:
@@ -32,4 +47,6 @@ class DecodeStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["decompressions_per_pass"] = self.decompressions_per_pass
+        d["anonymous_bytes"] = self.anonymous_bytes
+        d["peak_anonymous_bytes"] = self.peak_anonymous_bytes
         return d

@@ -1,52 +1,143 @@
-"""Policy ``budget``: decoded weights kept under a byte budget, least recently used out."""
+"""Policy ``budget``: a fixed set of decoded weights pinned under a byte budget, the rest
+streamed by per_pass_prefetch.
+
+Every pass calls the layers in the same cyclic order, so LRU evicts exactly the layer
+needed next and hits nothing below the total decoded size. For a cyclic sequence the
+optimal cache keeps a fixed set: the pinned layers are decoded once and kept; every
+other layer is decoded ahead and freed after use, as under per_pass_prefetch.
+"""
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import torch
 
 from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.prefetch import PerPassPrefetch
+
+# Decode cost per output byte, relative to a copy: a raw plane is a copy, a zstd plane
+# costs its entropy decoding as well (zstd decodes ~4x slower than memcpy here), and a
+# layout with planes pays a join over the whole weight.
+_ZSTD_COST = 4.0
+_JOIN_COST = 1.0
+DEFAULT_HEADROOM_BYTES = 64 << 20
+
+
+def decode_cost(encoded) -> float:
+    """A layer's decode time in units of copying one byte (for ranking layers only)."""
+    cost = 0.0
+    for c, chunk in enumerate(encoded.frames):
+        planes = len(chunk)
+        start, stop = encoded.chunk_range(c)
+        plane_bytes = (stop - start) * (encoded.itemsize if planes == 1 else 1)
+        for frame in chunk:
+            cost += plane_bytes * (1.0 if frame.raw else _ZSTD_COST)
+        if planes > 1:
+            cost += _JOIN_COST * (stop - start) * encoded.itemsize
+    return cost
+
+
+def choose_pinned(sizes: dict[str, int], costs: dict[str, float], budget: int) -> list[str]:
+    """Names whose decoded bytes fit ``budget``, chosen to leave the least decode cost:
+    greedy by cost saved per byte pinned, then any smaller layer that still fits."""
+    chosen, used = [], 0
+    for name in sorted(sizes, key=lambda n: (-costs[n] / max(1, sizes[n]), n)):
+        if used + sizes[name] <= budget:
+            chosen.append(name)
+            used += sizes[name]
+    return chosen
+
+
+def anonymous_rss() -> int:
+    """The process's anonymous resident bytes (RssAnon of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no RssAnon line")
 
 
 class Budget(CachePolicy):
-    """Keeps up to ``budget_bytes // slab_bytes`` decoded weights (one slab each).
+    """budget_bytes: int >= 0, decoded bytes to pin (0 = per_pass_prefetch, the total of
+    every layer = resident). Or memory_limit: the whole process's limit in bytes; the
+    pinned set then gets what is left after the process's anonymous memory now, the
+    prefetch window's slabs and ``headroom_bytes`` (activations, the working set of
+    file-backed pages). window: as for per_pass_prefetch.
 
-    budget_bytes: int >= the largest compressed layer's weight bytes.
+    ``hit_rates`` lists, per finished pass, the fraction of layer calls served by a
+    pinned weight without a decode.
     """
 
     name = "budget"
 
-    def __init__(self, runtime, budget_bytes: int):
-        slab = runtime.pool.slab_bytes
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-            raise ValueError(f"budget_bytes must be an int, got {budget_bytes!r}")
-        if budget_bytes < slab:
+    def __init__(
+        self,
+        runtime,
+        budget_bytes: int | None = None,
+        *,
+        memory_limit: int | None = None,
+        headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+        window: int = 2,
+    ):
+        for param, value in (
+            ("budget_bytes", budget_bytes),
+            ("memory_limit", memory_limit),
+            ("headroom_bytes", headroom_bytes),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{param} must be an int >= 0, got {value!r}")
+        if (budget_bytes is None) == (memory_limit is None):
             raise ValueError(
-                f"budget_bytes must be >= {slab} (the largest layer's weight), got {budget_bytes}"
+                "give exactly one of budget_bytes (decoded bytes to pin) or memory_limit "
+                f"(the process's limit), got budget_bytes={budget_bytes!r}, "
+                f"memory_limit={memory_limit!r}"
             )
+        stream = PerPassPrefetch(runtime, window=window)  # validates window
         super().__init__(runtime)
-        self.capacity = budget_bytes // slab
-        self._lru: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._stream = stream
+        if memory_limit is not None:
+            reserve = window * runtime.pool.slab_bytes + headroom_bytes
+            budget_bytes = max(0, memory_limit - anonymous_rss() - reserve)
+        self.budget_bytes = budget_bytes
+        sizes = {n: lyr.encoded.original_bytes for n, lyr in runtime.layers.items()}
+        costs = {n: decode_cost(lyr.encoded) for n, lyr in runtime.layers.items()}
+        self.pinned: frozenset[str] = frozenset(choose_pinned(sizes, costs, budget_bytes))
+        self.pinned_bytes = sum(sizes[n] for n in self.pinned)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+        self.hit_rates: list[float] = []
+        self._hits = self._calls = 0
+
+    def on_pass_start(self, index: int) -> None:
+        if self._calls:
+            self.hit_rates.append(self._hits / self._calls)
+        self._hits = self._calls = 0
+        self._stream.on_pass_start(index)
 
     def acquire(self, layer) -> torch.Tensor:
-        hit = self._lru.get(layer.name)
-        if hit is not None:
-            self._lru.move_to_end(layer.name)
-            return hit[1]
-        if len(self._lru) >= self.capacity:
-            _, (slab, _) = self._lru.popitem(last=False)
-            self.runtime.pool.release_slab(slab)
-        slab = self.runtime.pool.acquire_slab()
-        weight = self.runtime.decode_into(layer, slab)
-        self._lru[layer.name] = (slab, weight)
+        self._calls += 1
+        if layer.name not in self.pinned:
+            return self._stream.acquire(layer)
+        weight = self._weights.get(layer.name)
+        if weight is not None:
+            self._hits += 1
+            return weight
+        buf = self._buffers[layer.name] = self.runtime.pool.dedicated(layer.encoded.original_bytes)
+        weight = self._weights[layer.name] = self.runtime.decode_into(layer, buf)
         return weight
 
+    def release(self, layer) -> None:
+        if layer.name not in self.pinned:
+            self._stream.release(layer)
+
     def cached(self) -> list[str]:
-        """Names of the layers whose weights are decoded, least recently used first."""
-        return list(self._lru)
+        """Names of the pinned layers decoded so far, sorted."""
+        return sorted(self._weights)
 
     def close(self) -> None:
-        for slab, _ in self._lru.values():
-            self.runtime.pool.release_slab(slab)
-        self._lru.clear()
+        self._stream.close()
+        for buf in self._buffers.values():
+            self.runtime.pool.drop_dedicated(buf)
+        self._buffers.clear()
+        self._weights.clear()

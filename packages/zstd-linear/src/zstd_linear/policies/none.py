@@ -17,7 +17,7 @@ class NoCache(CachePolicy):
         self._in_use: dict[str, torch.Tensor] = {}
 
     def acquire(self, layer) -> torch.Tensor:
-        slab = self.runtime.pool.acquire_slab()
+        slab = self.runtime.pool.acquire_slab(layer.encoded.original_bytes)
         self._in_use[layer.name] = slab
         return self.runtime.decode_into(layer, slab)
 

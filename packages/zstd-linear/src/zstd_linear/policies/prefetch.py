@@ -82,9 +82,10 @@ class PerPassPrefetch(CachePolicy):
         self._live.clear()
 
     def _decode(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        slab = self.runtime.pool.acquire_slab()
+        layer = self.runtime.layers[name]
+        slab = self.runtime.pool.acquire_slab(layer.encoded.original_bytes)
         try:
-            return slab, self.runtime.decode_into(self.runtime.layers[name], slab)
+            return slab, self.runtime.decode_into(layer, slab)
         except BaseException:
             self.runtime.pool.release_slab(slab)
             raise

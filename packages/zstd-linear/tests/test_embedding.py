@@ -1,0 +1,132 @@
+"""Compressed embeddings, and an lm_head tied to one stored once and used both ways."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from conftest import NEW_TOKENS, generate
+
+from zstd_linear import (
+    CompressedEmbedding,
+    CompressedLinear,
+    compress_model,
+    compressed_layers,
+    compression_stats,
+    decompress_model,
+    load_compressed,
+    save_compressed,
+    set_policy,
+)
+
+VOCAB, DIM = 300, 24  # 28.8 KB float32: 8 chunks of 4 KiB, rows straddle chunk edges
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM, padding_idx=0)
+        self.mix = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):  # ids: (B, T) int64 -> (B, T, VOCAB)
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def tiny(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM().eval()
+
+
+def test_lookups_and_tied_head_are_bit_identical_across_chunk_edges():
+    plain, model = tiny(), tiny()
+    report = compress_model(model, embeddings=True, chunk_bytes=4096, policy="per_pass_prefetch")
+    assert isinstance(model.embed, CompressedEmbedding) and model.embed.padding_idx == 0
+    assert isinstance(model.head, CompressedLinear)
+    assert model.head.encoded is model.embed.encoded  # stored once
+    assert sorted(r.name for r in report.layers) == ["embed", "mix"]
+    assert report.skipped == {}
+    assert len(model.embed.encoded.frames) == 8
+    ids = torch.tensor([[0, 1, 170, 299, 170], [42, 43, 298, 5, 0]])
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model.embed(ids), plain.embed(ids))
+            assert torch.equal(model(ids), plain(ids))
+        every = torch.arange(VOCAB).view(3, 100)
+        assert torch.equal(model.embed(every), plain.embed(every))
+    assert sorted(compressed_layers(model)) == ["head", "mix"]
+    assert compression_stats(model).forward_passes == 3
+
+
+def test_out_of_range_ids_are_refused():
+    model = tiny()
+    compress_model(model, embeddings=True)
+    for bad in (torch.tensor([VOCAB]), torch.tensor([-1, 3])):
+        try:
+            model.embed(bad)
+        except IndexError as exc:
+            assert "ids must be in 0..299" in str(exc)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
+def test_save_load_and_decompress_keep_the_tie(tmp_path):
+    plain, model = tiny(), tiny()
+    compress_model(model, embeddings=True, chunk_bytes=4096)
+    path = tmp_path / "tiny.zlin"
+    save_compressed(model, path)
+    fresh = tiny(seed=7)  # other weights, same shapes and tie
+    report = load_compressed(path, fresh, policy="budget", budget_bytes=0)
+    assert sorted(r.name for r in report.layers) == ["embed", "mix"]
+    assert report.file_backed_bytes == report.compressed_bytes
+    assert fresh.head.encoded is fresh.embed.encoded
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), plain(ids))
+    decompress_model(fresh)
+    assert isinstance(fresh.embed, nn.Embedding) and isinstance(fresh.head, nn.Linear)
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, plain.embed.weight)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), plain(ids))
+
+
+def test_smollm2_with_its_tied_embedding_compressed_gives_identical_logits(
+    smollm2_reference, tmp_path
+):
+    from membound_testing import align_linear_weights, chat_prompt, load_smollm2
+
+    model, tokenizer = load_smollm2()
+    align_linear_weights(model)
+    ids = tokenizer(chat_prompt(tokenizer, "What is the capital of France?"), return_tensors="pt")
+    # One Linear plus the embedding: the table (49152 x 576 float32, 113 MiB) is the
+    # part under test; the other Linear layers and the default codec are covered by
+    # test_smollm2.py (plain zstd at level 1 keeps this test's encoding fast).
+    compress_model(
+        model, include="model.layers.0.self_attn.q_proj", embeddings=True, layout="zstd", level=1
+    )
+    assert model.lm_head.encoded is model.model.embed_tokens.encoded
+    ref_sequences, ref_logits = smollm2_reference
+    for policy, options in [("per_pass_prefetch", {}), ("budget", {"budget_bytes": 0})]:
+        set_policy(model, policy, **options)
+        sequences, logits = generate(model, ids)
+        assert torch.equal(sequences, ref_sequences)
+        assert torch.equal(logits, ref_logits)
+    # The lm_head's slab is its own size, not the size of every slab.
+    assert compression_stats(model).peak_decoded_bytes < 3 * 49152 * 576 * 4
+    assert compression_stats(model).forward_passes == 2 * NEW_TOKENS
+
+    # The whole model from the file: built on the meta device from the config kept
+    # beside it, the rest (norms, the Linear layers left plain) mapped from there.
+    path = tmp_path / "smollm2.zlin"
+    save_compressed(model, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "smollm2.zlin",
+        "smollm2.zlin.safetensors",
+    ]
+    loaded = load_compressed(path, policy="per_pass_prefetch")
+    assert not any(p.is_meta for p in loaded.parameters())
+    assert loaded.lm_head.encoded is loaded.model.embed_tokens.encoded
+    sequences, logits = generate(loaded, ids)
+    assert torch.equal(sequences, ref_sequences)
+    assert torch.equal(logits, ref_logits)
