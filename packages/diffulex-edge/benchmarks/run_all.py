@@ -244,7 +244,7 @@ def step_latency(engines: dict, layout: StaticCacheLayout, rounds: int) -> dict[
         def run():
             t = time.perf_counter()
             for _ in range(20):
-                engines[name].backend.method.execute(inputs[name])
+                engines[name].method.execute(inputs[name])
             return (time.perf_counter() - t) / 20
 
         return run

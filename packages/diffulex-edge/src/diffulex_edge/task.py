@@ -8,6 +8,8 @@ end-of-text token), so a decoded block after the answer is all EOS.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,12 @@ SEP = 10
 EOS = 11
 MASK = 12
 VOCAB_SIZE = 16  # 13 used; rounded up so the embedding rows stay aligned
+TRAINED = "sort8"
+
+
+def trained_checkpoint() -> Path:
+    """The bundled tiny SDAR model trained on 8-digit sorting (``python -m diffulex_edge.train``)."""
+    return Path(str(files("diffulex_edge") / "checkpoints" / TRAINED))
 
 
 @dataclass(frozen=True)
