@@ -154,3 +154,23 @@ def test_a_llama_checkpoint_missing_a_tensor_names_it(tmp_path):
         load_checkpoint(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "llama"
+
+
+def test_cli_exports_a_llama_directory_for_autoregressive_decoding(tmp_path, capsys):
+    from diffulex_edge.cli import main
+    from diffulex_edge.runtime import PteEngine
+
+    hf = _tiny_hf("llama", tie=True)
+    hf.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "llama.pte"
+    assert main(["export", str(tmp_path / "llama"), "-o", str(out), "--max-seq", "64"]) == 0
+    captured = capsys.readouterr()
+    assert "block size 1, prefill chunk 32" in captured.out
+    assert "4/4 write done" in captured.err  # the progress bar
+    engine = PteEngine(out)
+    assert (engine.layout.block_size, engine.meta["prefill_size"]) == (1, 32)
+    ids = [5, 17, 3, 88, 41]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    config = GenerationConfig(max_new_tokens=6, stop_on_eos=False)
+    assert engine.generate(ids, config).tokens == want[0, len(ids) :].tolist()

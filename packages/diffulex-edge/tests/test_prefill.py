@@ -60,6 +60,13 @@ def test_chunked_prefill_equals_token_by_token_eager(ar_model, n):
     assert chunked.cache_len == single.cache_len == n
     dynamic = EagerDynamic(ar_model, 1)
     torch.testing.assert_close(dynamic.prefill_causal(ids), a, rtol=0, atol=1e-5)
+    every = []
+    for backend in (chunked, single, dynamic):
+        backend.reset()
+        every.append(backend.prefill_causal(ids, all_logits=True))
+    assert every[0].shape == (1, n, ar_model.config.vocab_size)
+    torch.testing.assert_close(every[0], every[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(every[0], every[2], rtol=0, atol=1e-5)
 
 
 def test_a_200_token_prompt_costs_ceil_200_over_chunk_forwards(ar_model):

@@ -58,10 +58,11 @@ class Backend(ABC):
         for start in range(0, ids.shape[1], bs):
             self.commit(ids[:, start : start + bs])
 
-    def prefill_causal(self, ids: torch.Tensor) -> torch.Tensor:
+    def prefill_causal(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """ids: (1, n) int64 under the causal mask of an autoregressive model; returns the
-        last token's logits (1, vocab). This default commits one token per forward (block
-        size 1); backends with a chunked path override it."""
+        last token's logits (1, vocab), or every token's (1, n, vocab) with ``all_logits``
+        (for perplexity). This default commits one token per forward (block size 1);
+        backends with a chunked path override it."""
         if self.block_size != 1:
             raise ValueError(
                 f"causal prefill token by token needs block_size 1, this backend has "
@@ -69,9 +70,8 @@ class Backend(ABC):
             )
         if ids.shape[1] == 0:
             raise ValueError("prefill_causal needs at least one token")
-        for start in range(ids.shape[1]):
-            logits = self.commit(ids[:, start : start + 1])
-        return logits[:, -1]
+        out = [self.commit(ids[:, start : start + 1]) for start in range(ids.shape[1])]
+        return torch.cat(out, dim=1) if all_logits else out[-1][:, -1]
 
 
 class EagerDynamic(Backend):
@@ -116,15 +116,16 @@ class EagerDynamic(Backend):
         self.cache_len = n
 
     @torch.no_grad()
-    def prefill_causal(self, ids):
-        """The whole prompt in one forward under the causal mask."""
-        n = ids.shape[1]
+    def prefill_causal(self, ids, all_logits=False):
+        """The whole prompt in one forward under the causal mask, after what is cached."""
+        n, past = ids.shape[1], self.cache_len
         if n == 0:
             raise ValueError("prefill_causal needs at least one token")
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]  # (1, n, n)
-        logits = self.model(ids, torch.arange(n)[None], self.cache, mask, store_kv=True)
-        self.cache_len = n
-        return logits[:, -1]
+        mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)[None]
+        positions = torch.arange(past, past + n)[None]
+        logits = self.model(ids, positions, self.cache, mask, store_kv=True)
+        self.cache_len = past + n
+        return logits if all_logits else logits[:, -1]
 
 
 class StaticBackend(Backend):
@@ -204,15 +205,16 @@ class StaticBackend(Backend):
         self.cache_len += self.block_size
         return logits
 
-    def prefill_causal(self, ids):
+    def prefill_causal(self, ids, all_logits=False):
         """Chunks of ``prefill_size`` under the causal mask, one forward each; the last chunk
         is padded and only its real tokens' K/V are kept."""
         if self.prefill_step is None:
-            return super().prefill_causal(ids)
+            return super().prefill_causal(ids, all_logits)
         n = ids.shape[1]
         if n == 0:
             raise ValueError("prefill_causal needs at least one token")
         size = self.prefill_layout.block_size
+        out = []
         for start in range(0, n, size):
             valid = min(size, n - start)
             chunk = torch.zeros(1, size, dtype=torch.long)
@@ -223,7 +225,8 @@ class StaticBackend(Backend):
             end = self.cache_len + valid
             self.kv_cache[..., self.cache_len : end, :] = block_kv[..., :valid, :]
             self.cache_len = end
-        return logits[:, valid - 1]
+            out.append(logits[:, :valid])
+        return torch.cat(out, dim=1) if all_logits else out[-1][:, -1]
 
 
 def _no_grad(fn):
