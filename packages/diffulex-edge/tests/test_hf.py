@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from diffulex_edge import DiffulexEdgeError, load_checkpoint
 from diffulex_edge.backends import EagerDynamic
@@ -11,8 +12,6 @@ from diffulex_edge.config import SDARConfig
 from diffulex_edge.generate import GenerationConfig, generate_autoregressive
 from diffulex_edge.hf_import import from_hf_model, load_gguf
 from membound_testing.models import load_smollm2, smollm2_float_dir, smollm2_gguf_path
-
-transformers = pytest.importorskip("transformers")  # the test extra installs it
 
 TINY = dict(
     vocab_size=96,
@@ -100,7 +99,6 @@ def test_smollm2_greedy_decoding_equals_transformers(smollm2):
 
 
 def test_gguf_dequantised_through_transformers_equals_the_float_copy(smollm2):
-    pytest.importorskip("gguf")
     _, _, model = smollm2
     from_gguf = load_gguf(smollm2_gguf_path())
     assert from_gguf.config == model.config
