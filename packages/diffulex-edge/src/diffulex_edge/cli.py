@@ -97,8 +97,8 @@ def cmd_export(args) -> None:
     block_size = defaults["block_size"] if args.block_size is None else args.block_size
     max_seq = defaults["max_seq"] if args.max_seq is None else args.max_seq
     prefill = defaults["prefill_size"] if args.prefill_size is None else args.prefill_size or None
-    if args.variant != "block_kv":
-        prefill = None
+    if args.variant != "block_kv" and args.prefill_size is None:
+        prefill = None  # the default only; an explicit --prefill-size is refused by export_pte
     result = export_pte(
         model, args.output, max_seq, block_size, args.variant, args.quantize, prefill, progress=True
     )
