@@ -10,8 +10,7 @@ from diffulex_edge.checkpoint import load_checkpoint
 from diffulex_edge.cli import main, trained_checkpoint
 from diffulex_edge.export import quantize_8da4w
 from diffulex_edge.generate import GenerationConfig, generate
-from diffulex_edge.measure import run_sort_task, sort_prompts
-from diffulex_edge.task import SortTask, encode
+from diffulex_edge.task import SortTask, encode, run_sort_task, sort_prompts
 
 
 @pytest.fixture(scope="module")

@@ -157,8 +157,8 @@ def cmd_bench(args) -> None:
 
     from diffulex_edge.backends import EagerDynamic
     from diffulex_edge.export import export_pte
-    from diffulex_edge.measure import run_sort_task, sort_prompts
     from diffulex_edge.runtime import PteEngine
+    from diffulex_edge.task import run_sort_task, sort_prompts
 
     torch.set_num_threads(args.threads)
     model = load_checkpoint(trained_checkpoint())
