@@ -22,24 +22,18 @@ import time
 from pathlib import Path
 
 import torch
+from measure import interleaved_median, median, step_bytes  # benchmarks/measure.py
 
 from diffulex_edge.backends import EagerDynamic
 from diffulex_edge.checkpoint import load_checkpoint
-from diffulex_edge.cli import trained_checkpoint
 from diffulex_edge.config import sdar_1p7b_config
 from diffulex_edge.export import export_pte
 from diffulex_edge.generate import GenerationConfig, generate
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
-from diffulex_edge.measure import (
-    interleaved_median,
-    median,
-    run_sort_task,
-    sort_prompts,
-    step_bytes,
-)
 from diffulex_edge.model import random_model
 from diffulex_edge.runtime import PteEngine
+from diffulex_edge.task import run_sort_task, sort_prompts, trained_checkpoint
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -244,7 +238,7 @@ def step_latency(engines: dict, layout: StaticCacheLayout, rounds: int) -> dict[
         def run():
             t = time.perf_counter()
             for _ in range(20):
-                engines[name].backend.method.execute(inputs[name])
+                engines[name].method.execute(inputs[name])
             return (time.perf_counter() - t) / 20
 
         return run

@@ -36,3 +36,27 @@ def pte_paths(model, tmp_path_factory):
         variant: export_pte(model, out / f"{variant}.pte", MAX_SEQ, BLOCK, variant).path
         for variant in ("cache_io", "block_kv")
     }
+
+
+SMOLLM2_MAX_SEQ = 256
+SMOLLM2_PREFILL = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2_pte():
+    """SmolLM2-135M-Instruct exported once per package version (block_kv, block size 1,
+    fp32, a 32-token prefill method) under the membound cache: the export takes minutes on
+    the 2-core machine, so later sessions reuse it (PteEngine still verifies its record)."""
+    import diffulex_edge
+    from diffulex_edge.checkpoint import load_checkpoint
+    from membound_testing.models import cache_dir, smollm2_float_dir
+
+    path = cache_dir() / (
+        f"diffulex-edge-{diffulex_edge.__version__}-smollm2-f32-"
+        f"{SMOLLM2_MAX_SEQ}-1-{SMOLLM2_PREFILL}.pte"
+    )
+    if not (path.is_file() and path.with_name(path.name + ".json").is_file()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model = load_checkpoint(smollm2_float_dir())
+        export_pte(model, path, SMOLLM2_MAX_SEQ, 1, "block_kv", prefill_size=SMOLLM2_PREFILL)
+    return path

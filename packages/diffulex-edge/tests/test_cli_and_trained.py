@@ -10,8 +10,7 @@ from diffulex_edge.checkpoint import load_checkpoint
 from diffulex_edge.cli import main, trained_checkpoint
 from diffulex_edge.export import quantize_8da4w
 from diffulex_edge.generate import GenerationConfig, generate
-from diffulex_edge.measure import run_sort_task, sort_prompts
-from diffulex_edge.task import SortTask, encode
+from diffulex_edge.task import SortTask, encode, run_sort_task, sort_prompts
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +105,11 @@ def test_cli_reports_bad_input(capsys, tmp_path):
     assert "no .pte" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["export", "--tiny"])  # -o is required
+    out = tmp_path / "tiny.pte"
+    args = ["export", "--tiny", "-o", str(out), "--variant", "cache_io", "--prefill-size", "16"]
+    assert main(args) == 2  # an explicit prefill is refused, not silently dropped
+    assert "prefill_size needs variant 'block_kv'" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_encode_rejects_non_digits():

@@ -28,11 +28,14 @@ def test_formula_equals_the_allocated_tensor(layers, kv, blocks, hd, bs, dtype):
     assert layout.nbytes == cache.numel() * cache.element_size()
 
 
-def test_design_example_bf16_28_layers():
-    # The design note prints "117 MB" for this shape, but its own formula gives twice that
-    # (117 MiB is the size without the K/V factor of 2, or in one byte per element).
-    layout = StaticCacheLayout(28, 1, 8, 2048, 128, 4, torch.bfloat16)
-    assert layout.nbytes == 28 * 2 * 8 * 2048 * 128 * 2 == 234_881_024
+def test_design_example_bf16_against_the_allocated_storage():
+    # The design note prints "117 MB" for 28 layers x 2048 x 8 KV heads x 128 in bf16. Two
+    # of those layers are allocated here (the storage torch actually reserves, not the
+    # formula); 28 layers are 14 times that, twice the note's figure.
+    two_layers = StaticCacheLayout(2, 1, 8, 2048, 128, 4, torch.bfloat16)
+    storage = two_layers.allocate().untyped_storage().nbytes()
+    assert two_layers.nbytes == storage == 16_777_216
+    assert StaticCacheLayout(28, 1, 8, 2048, 128, 4, torch.bfloat16).nbytes == 14 * storage
 
 
 def test_a_cache_the_block_size_does_not_fit_is_rejected():

@@ -54,8 +54,6 @@ def expected_shapes(config: SDARConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.weight": (c.num_key_value_heads * hd, c.hidden_size),
                 p + "self_attn.v_proj.weight": (c.num_key_value_heads * hd, c.hidden_size),
                 p + "self_attn.o_proj.weight": (c.hidden_size, c.num_attention_heads * hd),
-                p + "self_attn.q_norm.weight": (hd,),
-                p + "self_attn.k_norm.weight": (hd,),
                 p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
                 p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
                 p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
@@ -63,6 +61,13 @@ def expected_shapes(config: SDARConfig) -> dict[str, tuple[int, ...]]:
                 p + "post_attention_layernorm.weight": (c.hidden_size,),
             }
         )
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if c.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (c.num_attention_heads * hd,)
+            shapes[p + "self_attn.k_proj.bias"] = (c.num_key_value_heads * hd,)
+            shapes[p + "self_attn.v_proj.bias"] = (c.num_key_value_heads * hd,)
     shapes["model.norm.weight"] = (c.hidden_size,)
     shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
@@ -216,14 +221,22 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -
 
 def _check_tensors(directory: Path, config: SDARConfig, want_dtype, found) -> None:
     expected = expected_shapes(config)
-    if config.tie_word_embeddings and "lm_head.weight" not in found:
-        expected.pop("lm_head.weight")
+    if config.tie_word_embeddings:
+        # A tied pair may be saved once under either name (safetensors' save_model keeps
+        # whichever it meets last; transformers' save_pretrained keeps embed_tokens).
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            if (
+                name not in found
+                and len({"lm_head.weight", "model.embed_tokens.weight"} & set(found)) == 1
+            ):
+                expected.pop(name)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
         raise DiffulexEdgeError(
             f"checkpoint {directory} does not match its config "
-            f"({config.num_hidden_layers} layers): missing {missing[:5]}, "
+            f"({config.num_hidden_layers} layers) with qk_norm={config.qk_norm}, "
+            f"qkv_bias={config.qkv_bias}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
     for key, shape in expected.items():
@@ -233,10 +246,15 @@ def _check_tensors(directory: Path, config: SDARConfig, want_dtype, found) -> No
             )
     dtypes = {key: entry[1] for key, entry in found.items()}
     if want_dtype is None:
-        want_dtype = dtypes["model.embed_tokens.weight"]
+        first = (
+            "model.embed_tokens.weight"
+            if "model.embed_tokens.weight" in found
+            else "lm_head.weight"
+        )
+        want_dtype = dtypes[first]
         if want_dtype not in _TORCH_DTYPES:
             raise DiffulexEdgeError(
-                f"model.embed_tokens.weight in {found['model.embed_tokens.weight'][0]} is "
+                f"{first} in {found[first][0]} is "
                 f"{want_dtype}, expected one of {sorted(_TORCH_DTYPES)}"
             )
     for key, got in dtypes.items():
@@ -254,6 +272,8 @@ def _build(config: SDARConfig, found) -> SDARModel:
                 state[key] = f.get_tensor(key)
     except SafetensorError as err:
         raise DiffulexEdgeError(f"safetensors refused {shard}: {err}") from err
+    if config.tie_word_embeddings and "model.embed_tokens.weight" not in state:
+        state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
     if config.tie_word_embeddings and "lm_head.weight" in state:
         head = state.pop("lm_head.weight")
         if not torch.equal(head, state["model.embed_tokens.weight"]):

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.resources import files
 from pathlib import Path
 
 from diffulex_edge.checkpoint import load_checkpoint
 from diffulex_edge.config import tiny_config
+from diffulex_edge.export import EXPORT_VARIANTS, QUANTIZATIONS
 from diffulex_edge.generate import GenerationConfig
 from diffulex_edge.remasking import REMASKING
 from diffulex_edge.sampling import SamplingConfig
+from diffulex_edge.task import TRAINED, trained_checkpoint
 
-TRAINED = "sort8"
+__all__ = ["build_parser", "main", "trained_checkpoint"]
 
-
-def trained_checkpoint() -> Path:
-    """The bundled tiny SDAR model trained on 8-digit sorting (``python -m diffulex_edge.train``)."""
-    return Path(str(files("diffulex_edge") / "checkpoints" / TRAINED))
+# Defaults by model kind: SDAR decodes blocks of 4; an autoregressive model (no mask token)
+# decodes one token per forward and prefills its prompt in chunks.
+DIFFUSION_DEFAULTS = {"block_size": 4, "max_seq": 64, "prefill_size": None}
+AUTOREGRESSIVE_DEFAULTS = {"block_size": 1, "max_seq": 256, "prefill_size": 32}
 
 
 def _model(args):
@@ -26,19 +27,50 @@ def _model(args):
 
     if args.tiny:
         return random_model(tiny_config(), seed=0)
-    return load_checkpoint(args.checkpoint or trained_checkpoint())
+    if args.gguf:
+        from diffulex_edge.hf_import import load_gguf
+
+        return load_gguf(args.gguf)
+    return load_checkpoint(args.model_dir or args.checkpoint or trained_checkpoint())
 
 
 def _add_source(p, with_pte: bool) -> None:
+    p.add_argument(
+        "model_dir",
+        nargs="?",
+        help="Hugging Face-layout directory: SDAR, Llama, Qwen2 or Qwen3 (config.json + "
+        "safetensors)",
+    )
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--checkpoint", help="Hugging Face-layout SDAR directory")
+    group.add_argument("--checkpoint", help="the same as MODEL_DIR")
+    group.add_argument("--gguf", help="a GGUF file (dequantised by transformers; the hf extra)")
     group.add_argument("--tiny", action="store_true", help="a seeded random tiny config")
     if with_pte:
         group.add_argument("--pte", help="an exported diffulex-edge .pte")
     p.epilog = f"With no source, the bundled trained model ({TRAINED}) is used."
 
 
-def _prompt_ids(args) -> list[int]:
+def _tokenizer(args):
+    """The Hugging Face tokenizer of --tokenizer, else of MODEL_DIR when it has one."""
+    directory = args.tokenizer
+    if directory is None:
+        source = args.model_dir or args.checkpoint
+        if source is not None and (Path(source) / "tokenizer.json").is_file():
+            directory = source
+    if directory is None:
+        return None
+    if not (Path(directory) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {directory} has no tokenizer.json")
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as err:
+        raise ValueError(
+            "a text tokenizer needs transformers: pip install 'diffulex-edge[hf]'"
+        ) from err
+    return PreTrainedTokenizerFast.from_pretrained(str(directory))
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
     from diffulex_edge.task import encode
 
     if args.prompt_ids is not None:
@@ -47,17 +79,32 @@ def _prompt_ids(args) -> list[int]:
         except ValueError as err:
             msg = f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}"
             raise ValueError(msg) from err
-    return encode(args.prompt)
+    if tokenizer is None:
+        return encode(args.prompt)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer(text)["input_ids"]
 
 
 def cmd_export(args) -> None:
     from diffulex_edge.export import export_pte
 
+    model = _model(args)
+    defaults = AUTOREGRESSIVE_DEFAULTS if model.config.mask_token_id is None else DIFFUSION_DEFAULTS
+    block_size = defaults["block_size"] if args.block_size is None else args.block_size
+    max_seq = defaults["max_seq"] if args.max_seq is None else args.max_seq
+    prefill = defaults["prefill_size"] if args.prefill_size is None else args.prefill_size or None
+    if args.variant != "block_kv" and args.prefill_size is None:
+        prefill = None  # the default only; an explicit --prefill-size is refused by export_pte
     result = export_pte(
-        _model(args), args.output, args.max_seq, args.block_size, args.variant, args.quantize
+        model, args.output, max_seq, block_size, args.variant, args.quantize, prefill, progress=True
     )
     print(
         f"wrote {result.path} ({result.pte_bytes / 2**20:.2f} MiB, {result.variant}, "
+        f"block size {block_size}, prefill chunk {prefill}, "
         f"static KV {result.layout.nbytes} bytes = {result.layout.shape})"
     )
 
@@ -71,7 +118,8 @@ def cmd_generate(args) -> None:
         threshold=args.threshold,
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
     )
-    prompt = _prompt_ids(args)
+    tokenizer = _tokenizer(args)
+    prompt = _prompt_ids(args, tokenizer)
     if args.pte:
         from diffulex_edge.runtime import PteEngine
 
@@ -79,16 +127,22 @@ def cmd_generate(args) -> None:
         result = engine.generate(prompt, config)
     else:
         from diffulex_edge.backends import EagerDynamic
-        from diffulex_edge.generate import generate
+        from diffulex_edge.generate import generate, generate_autoregressive
 
         model = _model(args)
         c = model.config
         if c.mask_token_id is None:
-            raise ValueError("the checkpoint's config.json has no mask_token_id")
-        backend = EagerDynamic(model, args.block_size)
-        result = generate(backend, prompt, config, c.mask_token_id, c.eos_token_id)
-    text = decode(result.tokens) if args.prompt is not None else result.tokens
-    print(text)
+            backend = EagerDynamic(model, 1)
+            result = generate_autoregressive(backend, prompt, config, c.eos_token_id)
+        else:
+            backend = EagerDynamic(model, args.block_size)
+            result = generate(backend, prompt, config, c.mask_token_id, c.eos_token_id)
+    if args.prompt is None:
+        print(result.tokens)
+    elif tokenizer is not None:
+        print(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    else:
+        print(decode(result.tokens))
     print(
         f"[{result.decoded_tokens} tokens in {result.denoise_forwards} denoising + "
         f"{result.commit_forwards} commit forwards; {result.tokens_per_forward:.2f} tokens/forward]",
@@ -103,8 +157,8 @@ def cmd_bench(args) -> None:
 
     from diffulex_edge.backends import EagerDynamic
     from diffulex_edge.export import export_pte
-    from diffulex_edge.measure import run_sort_task, sort_prompts
     from diffulex_edge.runtime import PteEngine
+    from diffulex_edge.task import run_sort_task, sort_prompts
 
     torch.set_num_threads(args.threads)
     model = load_checkpoint(trained_checkpoint())
@@ -130,17 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a model to an ExecuTorch .pte (XNNPACK)")
     _add_source(p, with_pte=False)
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--variant", choices=["block_kv", "cache_io"], default="block_kv")
-    p.add_argument("--max-seq", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--quantize", choices=["8da4w"], default=None)
+    p.add_argument("--variant", choices=sorted(EXPORT_VARIANTS), default="block_kv")
+    p.add_argument("--max-seq", type=int, default=None, help="default 64 (SDAR), 256 (Llama)")
+    p.add_argument("--block-size", type=int, default=None, help="default 4 (SDAR), 1 (Llama)")
+    p.add_argument(
+        "--prefill-size",
+        type=int,
+        default=None,
+        help="tokens per causal prefill chunk (a second method; block_kv only; 0 = none); "
+        "default 32 for a model without a mask token, none for SDAR",
+    )
+    p.add_argument("--quantize", choices=QUANTIZATIONS, default=None)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="block-diffusion generation (eager or .pte)")
     _add_source(p, with_pte=True)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="digits for the sorting model, e.g. 31415926")
+    prompt.add_argument(
+        "--prompt", help="text (with a tokenizer), else digits for the sorting model, e.g. 31415926"
+    )
     prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument(
+        "--tokenizer",
+        help="a Hugging Face model directory whose tokenizer.json encodes --prompt and decodes "
+        "the answer (default: MODEL_DIR's, when it has one)",
+    )
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     p.add_argument(
         "--allow-unverified",
         action="store_true",

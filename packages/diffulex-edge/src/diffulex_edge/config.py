@@ -46,6 +46,12 @@ class SDARConfig:
     ``mask_token_id`` is the id block diffusion writes into positions still to be decoded;
     SDAR checkpoints carry it in ``config.json`` (the tokenizer's ``<|MASK|>``).
     ``head_dim`` defaults to ``hidden_size // num_attention_heads`` as in Qwen3.
+
+    The same transformer covers the Llama family: ``qk_norm`` (RMSNorm on each query and key
+    head, Qwen3 and SDAR) and ``qkv_bias`` (biases on the q/k/v projections, Qwen2) are
+    switches. :meth:`from_dict` reads a Hugging Face ``llama``, ``qwen2`` or ``qwen3``
+    config as well as SDAR's own. A model without ``mask_token_id`` decodes
+    autoregressively (block diffusion with block size 1).
     """
 
     vocab_size: int
@@ -61,6 +67,8 @@ class SDARConfig:
     tie_word_embeddings: bool = False
     mask_token_id: int | None = None
     eos_token_id: int | None = None
+    qk_norm: bool = True
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         for name, high in _INT_RANGES.items():
@@ -83,10 +91,11 @@ class SDARConfig:
             )
         _finite_positive("rms_norm_eps", self.rms_norm_eps, 1.0)
         _finite_positive("rope_theta", self.rope_theta, 1e12)
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise DiffulexEdgeError(
-                f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}"
-            )
+        for name in ("tie_word_embeddings", "qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise DiffulexEdgeError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}"
+                )
         for name in ("mask_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is None:
@@ -106,9 +115,15 @@ class SDARConfig:
         """Build from a ``config.json`` dict, ignoring keys this model does not use.
 
         A list-valued ``eos_token_id`` (as some Qwen3 configs have) keeps its first id.
+        A ``model_type`` of ``llama``, ``qwen2`` or ``qwen3`` is mapped by
+        :func:`diffulex_edge.hf_config.sdar_dict_from_hf` first.
         """
         if not isinstance(data, dict):
             raise DiffulexEdgeError(f"a config must be a JSON object, got {type(data).__name__}")
+        if data.get("model_type", "sdar") != "sdar":
+            from diffulex_edge.hf_config import sdar_dict_from_hf
+
+            data = sdar_dict_from_hf(data)
         fields = dataclasses.fields(cls)
         required = [
             f.name

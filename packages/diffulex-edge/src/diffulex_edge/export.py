@@ -30,9 +30,12 @@ from diffulex_edge.errors import DiffulexEdgeError
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
 from diffulex_edge.model import SDARModel
+from diffulex_edge.progress import StageProgress
 
-PTE_FORMAT_VERSION = 1
+PTE_FORMAT_VERSION = 2
 QUANTIZATIONS = ("8da4w",)
+# The method that runs causal prefill chunks, when a program has one (block_kv only).
+PREFILL_METHOD = "prefill"
 
 
 class CacheIOGraph(nn.Module):
@@ -98,11 +101,15 @@ META_KEYS = (
     "mask_token_id",
     "eos_token_id",
     "config_digest",
+    "prefill_size",
 )
 
 
-def program_metadata(config, block_size: int, max_seq: int, variant: str) -> dict[str, int]:
-    """The constant methods a program exported from ``config`` carries (keys: META_KEYS)."""
+def program_metadata(
+    config, block_size: int, max_seq: int, variant: str, prefill_size: int = 0
+) -> dict[str, int]:
+    """The constant methods a program exported from ``config`` carries (keys: META_KEYS).
+    ``prefill_size`` 0 means the program has no prefill method."""
     c = config
     return {
         "diffulex_format_version": PTE_FORMAT_VERSION,
@@ -116,6 +123,7 @@ def program_metadata(config, block_size: int, max_seq: int, variant: str) -> dic
         "mask_token_id": -1 if c.mask_token_id is None else c.mask_token_id,
         "eos_token_id": -1 if c.eos_token_id is None else c.eos_token_id,
         "config_digest": config_digest(c),
+        "prefill_size": prefill_size,
     }
 
 
@@ -159,10 +167,17 @@ def export_pte(
     block_size: int = 4,
     variant: str = "block_kv",
     quantize: str | None = None,
+    prefill_size: int | None = None,
+    progress: bool = False,
 ) -> ExportResult:
     """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
     plus its integrity record ``<path>.json`` (size and SHA-256 of the program, the config
     it was exported from, the constants it reports), which :class:`PteEngine` verifies.
+
+    ``prefill_size`` (block_kv only) adds a second method, ``prefill``: the same graph over
+    chunks of that many tokens, which the runtime drives with a causal mask so an
+    autoregressive prompt enters the cache in chunks rather than one forward per token.
+    ``progress`` prints a stage bar to stderr.
 
     Any failure of the toolchain propagates; each file is written to a temp name and
     renamed, the program first, so a record never describes a program not yet in place.
@@ -179,6 +194,14 @@ def export_pte(
             f"quantize must be None or one of {QUANTIZATIONS}, got {quantize!r}"
         )
     layout = StaticCacheLayout.for_model(model.config, max_seq=max_seq, block_size=block_size)
+    prefill_layout = None
+    if prefill_size is not None:
+        if variant != "block_kv":
+            raise DiffulexEdgeError(f"prefill_size needs variant 'block_kv', got {variant!r}")
+        try:
+            prefill_layout = StaticCacheLayout.for_model(model.config, max_seq, prefill_size)
+        except ValueError as err:
+            raise DiffulexEdgeError(f"prefill_size {prefill_size!r}: {err}") from err
     if max_seq > model.config.max_position_embeddings:
         raise DiffulexEdgeError(
             f"max_seq {max_seq} exceeds the model's max_position_embeddings "
@@ -186,18 +209,30 @@ def export_pte(
         )
     graph_cls = EXPORT_VARIANTS[variant]
     config = model.config
-    metadata = program_metadata(config, layout.block_size, layout.max_seq, variant)
+    metadata = program_metadata(
+        config, layout.block_size, layout.max_seq, variant, prefill_size or 0
+    )
+    bar = StageProgress(5 if quantize else 4, enabled=progress)
     if quantize == "8da4w":
         import copy
 
-        model = quantize_8da4w(copy.deepcopy(model))
+        with bar.stage("quantize 8da4w"):
+            model = quantize_8da4w(copy.deepcopy(model))
     graph = graph_cls(model).eval()
-    with torch.no_grad():
-        exported = torch.export.export(graph, graph_cls.example_inputs(layout), strict=False)
-    edge = to_edge_transform_and_lower(
-        exported, partitioner=[XnnpackPartitioner()], constant_methods=metadata
-    )
-    buffer = edge.to_executorch().buffer
+    with bar.stage("torch.export"), torch.no_grad():
+        programs = {
+            "forward": torch.export.export(graph, graph_cls.example_inputs(layout), strict=False)
+        }
+        if prefill_layout is not None:
+            programs[PREFILL_METHOD] = torch.export.export(
+                graph, graph_cls.example_inputs(prefill_layout), strict=False
+            )
+    with bar.stage("lower to XNNPACK"):
+        edge = to_edge_transform_and_lower(
+            programs, partitioner=[XnnpackPartitioner()], constant_methods=metadata
+        )
+    with bar.stage("serialize"):
+        buffer = edge.to_executorch().buffer
     path = Path(path)
     fd, tmp = tempfile.mkstemp(
         dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}."
@@ -205,6 +240,7 @@ def export_pte(
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(buffer)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a program is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -212,5 +248,8 @@ def export_pte(
         raise
     from diffulex_edge.pte_record import write_record
 
-    record = write_record(path, bytes(buffer), variant, quantize, config, block_size, max_seq)
+    with bar.stage("write"):
+        record = write_record(
+            path, bytes(buffer), variant, quantize, config, block_size, max_seq, prefill_size or 0
+        )
     return ExportResult(path, variant, layout, quantize, len(buffer), record)

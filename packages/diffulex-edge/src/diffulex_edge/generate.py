@@ -123,3 +123,51 @@ def generate(
     if eos_token_id is not None and eos_token_id in tokens:
         tokens = tokens[: tokens.index(eos_token_id)]
     return GenerationResult(tokens, denoise, commits, decoded, stopped)
+
+
+def generate_autoregressive(
+    backend: Backend,
+    prompt_ids: list[int] | torch.Tensor,
+    config: GenerationConfig,
+    eos_token_id: int | None = None,
+) -> GenerationResult:
+    """Next-token decoding of an autoregressive model (Llama, Qwen2/3): block diffusion with
+    block size 1, where the forward that commits token t predicts token t + 1, so every new
+    token costs one forward. The prompt enters by :meth:`Backend.prefill_causal` (chunked
+    where the backend has a prefill path). ``config.remasking``/``threshold``/``steps`` do
+    not apply; ``denoise_forwards`` counts the decode forwards.
+    """
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+    P = prompt.numel()
+    if P == 0:
+        raise ValueError("prompt_ids is empty; autoregressive decoding needs a prompt token")
+    if backend.block_size != 1:
+        raise ValueError(
+            f"autoregressive decoding needs block_size 1, the backend has {backend.block_size}"
+        )
+    # The last new token is sampled but never committed: it needs no cache slot.
+    if P + config.max_new_tokens - 1 > backend.max_seq:
+        raise ValueError(
+            f"prompt of {P} tokens + max_new_tokens {config.max_new_tokens} needs "
+            f"{P + config.max_new_tokens - 1} cache slots, more than max_seq {backend.max_seq}"
+        )
+    generator = None
+    if config.sampling.seed is not None:
+        generator = torch.Generator().manual_seed(config.sampling.seed)
+    backend.reset()
+    logits = backend.prefill_causal(prompt[None])  # (1, vocab)
+    tokens: list[int] = []
+    forwards = 0
+    stopped = False
+    while True:
+        token, _ = sample_tokens(logits, config.sampling, generator)
+        token = int(token[0])
+        if config.stop_on_eos and eos_token_id is not None and token == eos_token_id:
+            stopped = True
+            break
+        tokens.append(token)
+        if len(tokens) == config.max_new_tokens:
+            break
+        logits = backend.commit(torch.tensor([[token]]))[:, -1]
+        forwards += 1
+    return GenerationResult(tokens, forwards, 0, len(tokens), stopped)

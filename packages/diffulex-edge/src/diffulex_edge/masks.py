@@ -56,6 +56,29 @@ def block_positions(layout: StaticCacheLayout, cache_len: int) -> torch.Tensor:
     return torch.arange(cache_len, cache_len + layout.block_size).expand(layout.batch, -1).clone()
 
 
+def causal_chunk_mask(layout: StaticCacheLayout, cache_len: int, valid_len: int) -> torch.Tensor:
+    """The additive mask of one prefill chunk of an autoregressive model:
+    (batch, 1, bs, max_seq + bs) float. Row ``i`` sees the ``cache_len`` committed slots and
+    block columns ``0..i``; padding rows (``i >= valid_len``) see what the last real row
+    sees, so no row is empty."""
+    valid = _check(layout, cache_len, valid_len)
+    bs, max_seq = layout.block_size, layout.max_seq
+    mask = torch.full((bs, max_seq + bs), HIDDEN, dtype=layout.dtype)
+    mask[:, :cache_len] = 0.0
+    rows = torch.arange(bs).clamp(max=valid - 1)[:, None]  # (bs, 1)
+    block = mask[:, max_seq:]
+    block[torch.arange(bs)[None, :] <= rows] = 0.0
+    return mask.expand(layout.batch, 1, bs, max_seq + bs).contiguous()
+
+
+def chunk_positions(layout: StaticCacheLayout, cache_len: int, valid_len: int) -> torch.Tensor:
+    """Positions of a prefill chunk: (batch, bs) int64. Padding columns repeat the last real
+    position, so no index reaches past the RoPE table however close to max_seq it ends."""
+    valid = _check(layout, cache_len, valid_len)
+    pos = cache_len + torch.arange(layout.block_size).clamp(max=valid - 1)
+    return pos.expand(layout.batch, -1).clone()
+
+
 @dataclass(frozen=True)
 class CacheIOMasks:
     """The three inputs of :meth:`SDARModel.forward_export`.

@@ -1,5 +1,8 @@
 """The SDAR transformer: Qwen3 geometry (RMSNorm, RoPE, GQA, q/k norm, SwiGLU).
 
+q/k norm and q/k/v biases are config switches, so the same module is a Llama, Qwen2 or
+Qwen3 model too (:mod:`diffulex_edge.hf_config`).
+
 Three entry points share one set of weights and one attention routine:
 
 - :meth:`SDARModel.forward` — Python inference with a :class:`DynamicKVCache` that grows.
@@ -56,12 +59,15 @@ class SDARAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = hd
         self.scaling = hd**-0.5
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        # Llama and Qwen2 have no q/k norm: identity keeps one code path and no empty weights.
+        norm = (lambda: RMSNorm(hd, config.rms_norm_eps)) if config.qk_norm else nn.Identity
+        self.q_norm = norm()
+        self.k_norm = norm()
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: (B, T, hidden); cos/sin: (B, 1, T, hd) -> q (B, H, T, hd), k and v (B, KV, T, hd)."""

@@ -27,7 +27,7 @@ from diffulex_edge.export import (
 )
 
 RECORD_FORMAT = "diffulex-edge-pte-record"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 MAX_RECORD_BYTES = 2**20
 _HEX = set("0123456789abcdef")
 
@@ -55,7 +55,14 @@ def _canonical(body: dict) -> bytes:
 
 
 def write_record(
-    pte_path: Path, program: bytes, variant: str, quantize, config, block_size, max_seq
+    pte_path: Path,
+    program: bytes,
+    variant: str,
+    quantize,
+    config,
+    block_size,
+    max_seq,
+    prefill_size: int = 0,
 ) -> Path:
     """Write ``<pte_path>.json`` (temp name + rename) describing ``program``."""
     body = {
@@ -66,7 +73,7 @@ def write_record(
         "variant": variant,
         "quantize": quantize,
         "config": config.to_dict(),
-        "metadata": program_metadata(config, block_size, max_seq, variant),
+        "metadata": program_metadata(config, block_size, max_seq, variant, prefill_size),
     }
     record = {**body, "record_sha256": hashlib.sha256(_canonical(body)).hexdigest()}
     target = record_path(pte_path)
@@ -154,7 +161,9 @@ def _validate(path: Path, body: dict) -> PteRecord:
         raise DiffulexEdgeError(f"{path}: metadata values must be ints")
     if not all(_is_int(meta[k]) and meta[k] >= 1 for k in ("block_size", "max_seq")):
         raise DiffulexEdgeError(f"{path}: metadata block_size and max_seq must be ints >= 1")
-    want = program_metadata(config, meta["block_size"], meta["max_seq"], variant)
+    want = program_metadata(
+        config, meta["block_size"], meta["max_seq"], variant, meta["prefill_size"]
+    )
     diffs = {k: (meta[k], want[k]) for k in META_KEYS if meta[k] != want[k]}
     if diffs:
         raise DiffulexEdgeError(

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from diffulex_edge.backends import StaticCacheBackend
+from diffulex_edge.backends import StaticBackend
 from diffulex_edge.config import SDARConfig
 from diffulex_edge.errors import DiffulexEdgeError
-from diffulex_edge.export import EXPORT_VARIANTS, META_KEYS, PTE_FORMAT_VERSION, config_digest
-from diffulex_edge.generate import GenerationConfig, GenerationResult, generate
+from diffulex_edge.export import (
+    EXPORT_VARIANTS,
+    META_KEYS,
+    PREFILL_METHOD,
+    PTE_FORMAT_VERSION,
+    config_digest,
+)
+from diffulex_edge.generate import (
+    GenerationConfig,
+    GenerationResult,
+    generate,
+    generate_autoregressive,
+)
 from diffulex_edge.kv_cache import StaticCacheLayout
-from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
 from diffulex_edge.pte_record import read_verified_program, record_path
 
 _VARIANT_BY_ID = {cls.variant_id: name for name, cls in EXPORT_VARIANTS.items()}
@@ -33,44 +41,6 @@ def _check_identifier(path: Path, data: bytes) -> None:
             f"{path} is not an ExecuTorch program: bytes 4-8 are {ident!r}, expected the "
             "identifier b'ET' + two digits (e.g. b'ET12')"
         )
-
-
-class PteBackend(StaticCacheBackend):
-    """A :class:`Backend` over a loaded ExecuTorch ``forward`` method."""
-
-    def __init__(self, method, variant: str, layout: StaticCacheLayout) -> None:
-        self.method = method
-        self.variant = variant
-        super().__init__(layout)
-
-    def _run(self, block_ids: torch.Tensor, commit: bool) -> torch.Tensor:
-        positions = block_positions(self.layout, self.cache_len)
-        if self.variant == "cache_io":
-            m = cache_io_masks(self.layout, self.cache_len, commit)
-            logits, self.kv_cache = self.method.execute(
-                [
-                    block_ids,
-                    positions,
-                    self.kv_cache,
-                    m.attention_mask,
-                    m.insert_matrix,
-                    m.keep_mask,
-                ]
-            )
-            return logits
-        mask = block_attention_mask(self.layout, self.cache_len)
-        logits, block_kv = self.method.execute([block_ids, positions, self.kv_cache, mask])
-        if commit:
-            end = self.cache_len + self.block_size
-            self.kv_cache[..., self.cache_len : end, :] = block_kv
-        return logits
-
-    def denoise(self, block_ids):
-        return self._run(block_ids, commit=False)
-
-    def commit(self, block_ids):
-        self._run(block_ids, commit=True)
-        self.cache_len += self.block_size
 
 
 class PteEngine:
@@ -147,7 +117,22 @@ class PteEngine:
                 f"{path}: forward's kv_cache input is {cache_shape}, its metadata "
                 f"says {self.layout.shape}"
             )
-        self.backend = PteBackend(method, self.variant, self.layout)
+        self.method = method
+        prefill_step, prefill_size = None, self.meta["prefill_size"] or None
+        if prefill_size is not None:
+            if PREFILL_METHOD not in self.program.method_names:
+                raise DiffulexEdgeError(
+                    f"{path}: its metadata names a prefill of {prefill_size} tokens but the "
+                    f"program has no {PREFILL_METHOD!r} method"
+                )
+            prefill = self.program.load_method(PREFILL_METHOD)
+            prefill_step = method_step(prefill)
+        try:
+            self.backend = StaticBackend(
+                self.layout, self.variant, method_step(method), prefill_step, prefill_size
+            )
+        except ValueError as err:
+            raise DiffulexEdgeError(f"{path}: {err}") from err
 
     def _load(self, data: bytes):
         from executorch.runtime import Runtime
@@ -163,6 +148,13 @@ class PteEngine:
     def _read_meta(self) -> dict[str, int]:
         path = self.path
         names = self.program.method_names
+        if "diffulex_format_version" in names:
+            version = self.program.load_method("diffulex_format_version").execute([])
+            if version != [PTE_FORMAT_VERSION]:
+                raise DiffulexEdgeError(
+                    f"{path} has format version {version}, this engine reads "
+                    f"{PTE_FORMAT_VERSION}: re-export it with this version of diffulex-edge"
+                )
         missing = [k for k in META_KEYS if k not in names]
         if missing or "forward" not in names:
             raise DiffulexEdgeError(
@@ -226,6 +218,22 @@ class PteEngine:
         return None if self.meta["eos_token_id"] < 0 else self.meta["eos_token_id"]
 
     def generate(self, prompt_ids, config: GenerationConfig) -> GenerationResult:
+        """Block diffusion for a program with a mask token; otherwise (an autoregressive
+        model such as Llama) next-token decoding, which needs block size 1."""
         if self.mask_token_id < 0:
-            raise DiffulexEdgeError(f"{self.path} was exported from a config without mask_token_id")
+            if self.layout.block_size != 1:
+                raise DiffulexEdgeError(
+                    f"{self.path} has no mask_token_id (an autoregressive model) but block "
+                    f"size {self.layout.block_size}; export it with block_size 1"
+                )
+            return generate_autoregressive(self.backend, prompt_ids, config, self.eos_token_id)
         return generate(self.backend, prompt_ids, config, self.mask_token_id, self.eos_token_id)
+
+
+def method_step(method):
+    """An ExecuTorch method as a step callable (tensors in, tuple of tensors out)."""
+
+    def step(*inputs):
+        return tuple(method.execute(list(inputs)))
+
+    return step

@@ -1,53 +1,12 @@
-"""Measurements shared by ``diffulex-edge bench`` and ``benchmarks/run_all.py``."""
+"""Helpers shared by the benchmark scripts in this folder (not part of the package)."""
 
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import dataclass
 
 import torch
 
-from diffulex_edge.backends import Backend
-from diffulex_edge.generate import GenerationConfig, generate
 from diffulex_edge.kv_cache import StaticCacheLayout
-from diffulex_edge.task import SortTask
-
-
-@dataclass
-class DecodeRun:
-    tokens_per_s: float
-    tokens_per_forward: float
-    tokens_per_forward_with_commits: float
-    exact_match: float
-
-
-def run_sort_task(
-    backend: Backend, prompts: list[list[int]], config: GenerationConfig, mask_id: int, eos_id: int
-) -> DecodeRun:
-    """Decode every prompt; tokens/s counts decoded tokens over wall time, prefill included."""
-    task = SortTask()
-    decoded = denoise = commits = correct = 0
-    start = time.perf_counter()
-    for prompt in prompts:
-        r = generate(backend, prompt, config, mask_id, eos_id)
-        decoded += r.decoded_tokens
-        denoise += r.denoise_forwards
-        commits += r.commit_forwards
-        correct += r.tokens == task.expected(prompt)
-    seconds = time.perf_counter() - start
-    return DecodeRun(
-        tokens_per_s=decoded / seconds,
-        tokens_per_forward=decoded / max(denoise, 1),
-        tokens_per_forward_with_commits=decoded / max(denoise + commits, 1),
-        exact_match=correct / len(prompts),
-    )
-
-
-def sort_prompts(n: int, seed: int = 1234) -> list[list[int]]:
-    task = SortTask()
-    seqs = task.sample(n, torch.Generator().manual_seed(seed))
-    return [s[: task.prompt_len].tolist() for s in seqs]
 
 
 def interleaved_median(runs: dict, rounds: int) -> dict[str, list]:
