@@ -1,4 +1,5 @@
-"""``paired-cache`` command line: ``paired-cache bench`` runs the update microbenchmark."""
+"""``paired-cache`` command line: ``convert`` writes a model's neuron pools to a pool file;
+``bench`` runs the update microbenchmark."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from paired_cache.errors import PairedCacheError
+    from paired_cache.model_io import convert
+
+    try:
+        layers = convert(args.source, args.out, progress=not args.quiet)
+    except PairedCacheError as exc:
+        print(f"paired-cache convert: {exc}", file=sys.stderr)
+        return 2
+    total = sum(layer.nbytes for layer in layers)
+    print(f"{args.out}: {len(layers)} MLP pools, {total / 2**20:.1f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paired-cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="copy threads and torch threads (default: cores)"
     )
     bench.add_argument("--json", default=None, help="also write the table as JSON here")
+    conv = sub.add_parser("convert", help="write every MLP's neuron pool to a pool file")
+    conv.add_argument("source", help="a HF model directory, a .safetensors file or a .gguf file")
+    conv.add_argument("out", help="the pool file to write (replaced atomically)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    return _bench(args)
+    return _convert(args) if args.command == "convert" else _bench(args)
 
 
 if __name__ == "__main__":
