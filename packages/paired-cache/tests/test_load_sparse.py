@@ -107,3 +107,19 @@ def test_load_sparse_refuses_a_pool_of_another_model(model_dir, tmp_path):
     write_pool_file(path, [("model.layers.0.mlp", gate, gate, torch.zeros(576, 4))])
     with pytest.raises(ValueError, match=r"holds layers"):
         load_sparse(model_dir, path, "cats", 0.5)
+
+
+def test_trained_predictor_file_drives_load_sparse(model_dir, pool_path, france, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text("The river rises in the hills and runs to the sea past farms and mills. " * 4)
+    out = tmp_path / "predictor.safetensors"
+    args = ["fit-predictor", str(model_dir), str(text), str(out), "--rank", "8", "--steps", "2"]
+    assert main([*args, "--quiet"]) == 0
+    model = load_sparse(model_dir, pool_path, "trained", 0.25, predictor=out)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(m.source.proj_in.shape == (576, 8) for m in mlps)
+    with torch.no_grad():
+        model(france[:, :4])
+    assert all(m.cache.num_active == 384 and m.tokens == 4 for m in mlps)
+    with pytest.raises(ValueError, match=r"not a paired-cache predictor file|cannot read"):
+        load_sparse(model_dir, pool_path, "trained", 0.25, predictor=text)

@@ -258,3 +258,6 @@ __all__ = [
     "active_rows",
     "make_source",
 ]
+
+# "trained" (the Deja Vu predictor) registers itself; its module builds on this one.
+import paired_cache.trained_predictor  # noqa: E402, F401

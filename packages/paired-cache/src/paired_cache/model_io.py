@@ -200,7 +200,8 @@ def load_sparse(
     and whose other weights are views of the mapped safetensors of model_dir (config.json
     and *.safetensors): nothing is copied into anonymous memory but the caches' active rows
     and what the mask sources build. source: a MASK_SOURCES name whose build needs no
-    calibration inputs ("cats", "oracle", "trained" with a predictor file in options).
+    calibration inputs ("cats", "oracle", or "trained" with predictor=PATH, a file of
+    paired_cache.trained_predictor.save_predictors).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -224,6 +225,14 @@ def load_sparse(
             f"{pool_path} holds layers {[layer.name for layer in pools.layers][:3]}..., the model "
             f"built from {model_dir} has MLPs {mlp_names[:3]}... ({len(mlp_names)})"
         )
+    if "predictor" in options:  # a file of save_predictors: one set of weights per MLP
+        from paired_cache.trained_predictor import load_predictors
+
+        predictors = load_predictors(options.pop("predictor"))
+        missing = [name for name in mlp_names if name not in predictors]
+        if missing:
+            raise PairedCacheError(f"the predictor file has no weights for {missing[:3]}")
+        options["weights"] = [predictors[name] for name in mlp_names]
     for name in mlp_names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
