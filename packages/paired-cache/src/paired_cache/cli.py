@@ -1,37 +1,11 @@
 """``paired-cache`` command line: ``convert`` writes a model's neuron pools to a pool file;
-``fit-predictor`` trains the Deja Vu predictors; ``bench`` runs the update microbenchmark."""
+``fit-predictor`` trains the Deja Vu predictors. (The update microbenchmark is
+``benchmarks/microbench.py``, outside the installed package.)"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import tempfile
-
-from paired_cache.config import CacheConfig
-from paired_cache.microbench import BenchConfig, markdown, run
-
-
-def _bench(args: argparse.Namespace) -> int:
-    cfg = BenchConfig(steps=args.steps or (20 if args.quick else 200))
-    if args.quick:
-        cfg = BenchConfig(
-            n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256), steps=cfg.steps
-        )
-    threads = CacheConfig().num_threads if args.threads is None else args.threads
-    result = run(cfg, threads, progress=lambda s: print(s, file=sys.stderr))
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print(markdown(result["columns"], result["rows"]))
-    if args.json:
-        payload = {k: result[k] for k in ("columns", "rows")}
-        directory = os.path.dirname(os.path.abspath(args.json))
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
-        os.replace(tmp, args.json)  # never a half-written file
-    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -75,13 +49,6 @@ def _fit_predictor(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paired-cache")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="time cache updates against rebuild baselines")
-    bench.add_argument("--quick", action="store_true", help="small sizes, few steps")
-    bench.add_argument("--steps", type=int, default=None, help="updates per cell (default 200)")
-    bench.add_argument(
-        "--threads", type=int, default=None, help="copy threads and torch threads (default: cores)"
-    )
-    bench.add_argument("--json", default=None, help="also write the table as JSON here")
     conv = sub.add_parser("convert", help="write every MLP's neuron pool to a pool file")
     conv.add_argument("source", help="a HF model directory, a .safetensors file or a .gguf file")
     conv.add_argument("out", help="the pool file to write (replaced atomically)")
@@ -97,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     fit.add_argument("--steps", type=int, default=300, help="AdamW steps per layer")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    commands = {"convert": _convert, "fit-predictor": _fit_predictor, "bench": _bench}
+    commands = {"convert": _convert, "fit-predictor": _fit_predictor}
     return commands[args.command](args)
 
 
