@@ -61,7 +61,7 @@ def record_recall(mlps) -> list[list[float]]:
     return hits
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, fractions=(0.25, 0.5, 0.75), steps: int | None = None) -> None:
     from membound_testing import load_smollm2
 
     torch.set_num_threads(1)
@@ -73,8 +73,8 @@ def main(quick: bool) -> None:
     with torch.no_grad():
         dense_nll, dense_top = nll_and_argmax(model(held_out).logits, held_out)
     rows = [["dense", "100%", 1.0, round(math.exp(dense_nll), 3), "", "", ""]]
-    fractions = (0.5,) if quick else (0.25, 0.5, 0.75)
-    train = TrainConfig(steps=5) if quick else TrainConfig()
+    fractions = (0.5,) if quick else fractions
+    train = TrainConfig(steps=5) if quick else TrainConfig(steps=steps or TrainConfig().steps)
     inputs = collect_mlp_inputs(model, calibration)
     for fraction in fractions:
         start = time.perf_counter()
@@ -146,4 +146,11 @@ def main(quick: bool) -> None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--fractions", default="0.25,0.5,0.75", help="comma-separated")
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps per layer")
+    args = parser.parse_args()
+    main(args.quick, tuple(float(f) for f in args.fractions.split(",")), args.steps)
