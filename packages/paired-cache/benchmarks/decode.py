@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         # Rebuild: the breakdown wrapped the sparse models' methods.
         models.update({n: variants[n]() for n in parts})
         times: dict[str, list[float]] = {name: [] for name in models}
-        for name, m in models.items():
+        for m in models.values():
             decode(m, prompt, 2)  # warm: page in what the token reads
         for _ in range(args.rounds):
             for name, m in models.items():  # interleaved: A B C D A B C D ...
@@ -142,18 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         b = parts.get(name)
-        per_layer = (lambda k: round(b[k] / b["layers"], 1)) if b else (lambda k: "")
-        rows.append(
-            [
-                name,
-                round(1 / med, 2),
-                round(dense_s / med, 2),
-                per_layer("mask"),
-                per_layer("update"),
-                per_layer("matmul"),
-                round(b["rest"] / b["token"], 2) if b else "",
-            ]
-        )
+        per_layer = [
+            round(b[k] / b["layers"], 1) if b else "" for k in ("mask", "update", "matmul")
+        ]
+        rest = round(b["rest"] / b["token"], 2) if b else ""
+        rows.append([name, round(1 / med, 2), round(dense_s / med, 2), *per_layer, rest])
     sparse_50 = next(r for r in rows if r[0] == "trained 50%")
     write_result(
         "decode",
