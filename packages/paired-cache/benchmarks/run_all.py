@@ -13,6 +13,7 @@ sys.path.insert(0, str(HERE))
 
 import decode  # noqa: E402
 import fuzz  # noqa: E402
+import memory  # noqa: E402
 import quality  # noqa: E402
 import update_bench  # noqa: E402
 import window  # noqa: E402
@@ -23,6 +24,7 @@ def main() -> None:
     update_bench.main(quick)
     quality.main(quick)
     window.main(quick)
+    memory.main(quick)
     decode.main(["--quick"] if quick else [])
     fuzz.main(["--quick"] if quick else [])
 
