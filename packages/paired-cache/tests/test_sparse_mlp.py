@@ -20,6 +20,7 @@ from paired_cache.mask_sources import (
     make_source,
 )
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
+from paired_cache.trained_predictor import TrainConfig, fit_predictor
 
 N, H = 48, 16
 
@@ -113,7 +114,11 @@ def test_every_source_selects_k_rows(name):
     mlp = GatedMLP()
     calibration = torch.randn(64, H, dtype=torch.float64)
     g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
-    source = make_source(name, g, u, mlp.act_fn, 0.3, calibration)
+    options = {}
+    if name == "trained":  # its weights come from training, not from calibration inputs
+        config = TrainConfig(rank=4, steps=2)
+        options["weights"] = fit_predictor(g, u, mlp.act_fn, 0.3, calibration, config)
+    source = make_source(name, g, u, mlp.act_fn, 0.3, calibration, **options)
     mask = source.select(torch.randn(H, dtype=torch.float64))
     assert mask.dtype == torch.bool and mask.shape == (N,)
     assert int(mask.sum()) == source.k == active_rows(0.3, N) == 14
