@@ -162,3 +162,32 @@ def test_from_pool_file_checks_its_arguments(tmp_path):
         PairedCache.from_pool_file(pool, 0, capacity=41)
     with pytest.raises(PairedCacheError, match=r"must be a PoolFile"):
         PairedCache.from_pool_file(str(path), 0)
+
+
+@pytest.mark.parametrize("layer", [-1, 1, 1.0, True, "nope"])
+def test_sparse_mlp_from_pool_file_refuses_a_bad_layer(tmp_path, layer):
+    from paired_cache import SparseMLP
+
+    path = tmp_path / "p.pcpool"
+    write_pool_file(path, _layers(count=1))
+    with pytest.raises(PairedCacheError, match=r"layer must be a name or an int|no layer 'nope'"):
+        SparseMLP.from_pool_file(PoolFile(path), layer, torch.nn.SiLU(), "cats", 0.5)
+
+
+def test_sparse_mlp_from_pool_file_computes_the_masked_mlp(tmp_path):
+    from paired_cache import SparseMLP
+
+    path = tmp_path / "p.pcpool"
+    layers = _layers(count=2, n=40, hidden=12)
+    write_pool_file(path, layers)
+    name, gate, up, down = layers[1]
+    act = torch.nn.SiLU()
+    sparse = SparseMLP.from_pool_file(PoolFile(path), name, act, "cats", 0.5)
+    assert sparse.cache.pool_is_mapped and sparse.cache.capacity == 20
+    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(0))
+    got = sparse(x)
+    for t in range(3):
+        mask = sparse.source.select(x[t])  # CATS: the 20 largest |silu(gate x)|
+        assert int(mask.sum()) == 20
+        want = down[:, mask] @ (act(gate[mask] @ x[t]) * (up[mask] @ x[t]))
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)

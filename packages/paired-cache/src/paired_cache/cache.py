@@ -137,15 +137,7 @@ class PairedCache:
 
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
-        index = pool_file.index(layer) if isinstance(layer, str) else layer
-        if (
-            isinstance(index, bool)
-            or not isinstance(index, int)
-            or not 0 <= index < len(pool_file.layers)
-        ):
-            raise PairedCacheError(
-                f"layer must be a name or an int in [0, {len(pool_file.layers)}), got {layer!r}"
-            )
+        index = pool_file.resolve(layer)
         spec = pool_file.layers[index]
         self = cls.__new__(cls)
         self._create(

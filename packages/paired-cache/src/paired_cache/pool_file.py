@@ -242,6 +242,20 @@ class PoolFile:
             raise PairedCacheError(f"{self.path} has no layer {name!r}; it has {len(self.layers)}")
         return self._by_name[name]
 
+    def resolve(self, layer: int | str) -> int:
+        """The index of layer, given by name or as an int in [0, len(layers))."""
+        if isinstance(layer, str):
+            return self.index(layer)
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int)
+            or not 0 <= layer < len(self.layers)
+        ):
+            raise PairedCacheError(
+                f"layer must be a name or an int in [0, {len(self.layers)}), got {layer!r}"
+            )
+        return layer
+
     def layer_buffer(self, i: int) -> memoryview:
         """The read-only bytes of layer i's pool, a slice of the mapping (no copy)."""
         layer = self.layers[i]

@@ -18,6 +18,7 @@ from paired_cache.mask_sources import (
     active_rows,
     make_source,
 )
+from paired_cache.pool_file import PoolFile
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -126,9 +127,12 @@ class SparseMLP(nn.Module):
         if source not in MASK_SOURCES:
             raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
         check_window(window)
-        spec = pool_file.layers[pool_file.index(layer) if isinstance(layer, str) else layer]
+        if not isinstance(pool_file, PoolFile):
+            raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
+        index = pool_file.resolve(layer)
+        spec = pool_file.layers[index]
         capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
-        cache = PairedCache.from_pool_file(pool_file, layer, capacity=capacity, config=config)
+        cache = PairedCache.from_pool_file(pool_file, index, capacity=capacity, config=config)
         src = make_source(
             source,
             cache.gate_pool,
@@ -136,7 +140,7 @@ class SparseMLP(nn.Module):
             act,
             fraction,
             calibration,
-            **_layer_options(options, pool_file.index(layer) if isinstance(layer, str) else layer),
+            **_layer_options(options, index),
         )
         return cls(cache, act, src, window)
 
