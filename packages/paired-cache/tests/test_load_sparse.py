@@ -123,3 +123,14 @@ def test_trained_predictor_file_drives_load_sparse(model_dir, pool_path, france,
     assert all(m.cache.num_active == 384 and m.tokens == 4 for m in mlps)
     with pytest.raises(ValueError, match=r"not a paired-cache predictor file|cannot read"):
         load_sparse(model_dir, pool_path, "trained", 0.25, predictor=text)
+
+
+def test_fit_predictor_refuses_an_unreadable_text_and_writes_nothing(model_dir, tmp_path, capsys):
+    out = tmp_path / "p.safetensors"
+    assert main(["fit-predictor", str(model_dir), str(tmp_path / "missing.txt"), str(out)]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00text")
+    assert main(["fit-predictor", str(model_dir), str(binary), str(out)]) == 2
+    assert "utf-8" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -31,7 +32,7 @@ def _fit_predictor(args: argparse.Namespace) -> int:
 
     try:
         config = TrainConfig(rank=args.rank, steps=args.steps)
-        text = open(args.text, encoding="utf-8").read()  # noqa: SIM115 - read once, closed by gc
+        text = Path(args.text).read_text(encoding="utf-8")
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="float32").eval()
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
         ids = tokenizer(text, return_tensors="pt").input_ids
@@ -39,7 +40,7 @@ def _fit_predictor(args: argparse.Namespace) -> int:
         progress = None if args.quiet else _Progress(layers)
         predictors = fit_predictors(model, ids, args.fraction, config, progress=progress)
         save_predictors(args.out, predictors, args.fraction)
-    except (PairedCacheError, OSError) as exc:
+    except (PairedCacheError, OSError, UnicodeDecodeError) as exc:
         print(f"paired-cache fit-predictor: {exc}", file=sys.stderr)
         return 2
     print(f"{args.out}: {len(predictors)} predictors, rank {args.rank}, {ids.shape[1]} tokens")
