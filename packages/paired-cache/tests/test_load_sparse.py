@@ -61,6 +61,23 @@ def test_convert_writes_every_mlp_as_the_model_holds_it(smollm2, pool_path):
     assert torch.equal(cache.down_pool_T, mlp.down_proj.weight.t())
 
 
+def test_convert_reads_a_gguf_as_transformers_dequantises_it(smollm2, tmp_path):
+    from membound_testing import smollm2_gguf_path
+    from paired_cache import PairedCache
+
+    path = tmp_path / "gguf.pcpool"
+    assert main(["convert", str(smollm2_gguf_path()), str(path), "--quiet"]) == 0
+    pool = PoolFile(path)
+    assert pool.dtype == torch.float32 and len(pool.layers) == 30
+    pool.verify()
+    # The embedded float32 SmolLM2 is this GGUF dequantised by transformers: the same rows.
+    cache = PairedCache.from_pool_file(pool, "model.layers.29.mlp", capacity=1)
+    mlp = smollm2[0].model.layers[29].mlp
+    assert torch.equal(cache.gate_pool, mlp.gate_proj.weight)
+    assert torch.equal(cache.up_pool, mlp.up_proj.weight)
+    assert torch.equal(cache.down_pool_T, mlp.down_proj.weight.t())
+
+
 def test_convert_refuses_a_missing_source_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "x.pcpool"
     assert main(["convert", str(tmp_path / "missing"), str(out)]) == 2
