@@ -57,11 +57,22 @@ class SparseMLP(nn.Module):
         self.cache, self.act_fn, self.source, self.window = cache, act, source, window
         self._recent: deque[torch.Tensor] = deque(maxlen=window)
         self.tokens = 0
+        self.pool_rows_read = 0
+        # One row of the active buffers: gate | up, and down transposed.
+        self._row_bytes = (cache.gate_cols + cache.up_cols + cache.hidden) * cache.dtype.itemsize
 
     @property
     def pool_bytes_read(self) -> int:
-        """Bytes copied from the neuron pool into the active rows since construction."""
-        return self.cache.stats.bytes_moved
+        """Bytes copied from the neuron pool into the active rows since construction.
+
+        Only copies out of the pool count: a rebuild reads every row of the new set, a paired
+        update its added rows. The rows a shrinking set moves down into holes are copied
+        within the active buffers (cache.stats.bytes_moved counts them too)."""
+        return self.pool_rows_read * self._row_bytes
+
+    def _update(self, mask: torch.Tensor) -> None:
+        info = self.cache.update(mask)
+        self.pool_rows_read += info.rows_copied if info.rebuilt else info.added
 
     def _resident_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """The union of the masks of the last window tokens, this one included."""
@@ -165,7 +176,7 @@ class SparseMLP(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
         if not self.source.per_token:
-            self.cache.update(self.source.select(flat[0]))
+            self._update(self.source.select(flat[0]))
             out = self._active_forward(flat)
             self.tokens += flat.shape[0]
         else:
@@ -173,7 +184,7 @@ class SparseMLP(nn.Module):
             # One mask per token, as in decoding: a prompt runs token by token here.
             for t in range(flat.shape[0]):
                 mask = self.source.select(flat[t])
-                self.cache.update(self._resident_mask(mask))
+                self._update(self._resident_mask(mask))
                 keep = mask if self.window > 1 else None
                 out[t] = self._active_forward(flat[t : t + 1], keep)[0]
             self.tokens += flat.shape[0]
