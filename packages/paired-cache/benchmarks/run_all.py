@@ -11,15 +11,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import decode  # noqa: E402
 import fuzz  # noqa: E402
+import memory  # noqa: E402
 import quality  # noqa: E402
 import update_bench  # noqa: E402
+import window  # noqa: E402
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
     update_bench.main(quick)
     quality.main(quick)
+    window.main(quick)
+    memory.main(quick)
+    decode.main(["--quick"] if quick else [])
     fuzz.main(["--quick"] if quick else [])
 
 

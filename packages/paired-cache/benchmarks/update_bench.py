@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 from common import NOISE, write_result
+from microbench import COLD_BYTES, BenchConfig, run
 
 from paired_cache.config import CacheConfig
-from paired_cache.microbench import COLD_BYTES, BenchConfig, run
 
 
 def targets_for(result: dict, label: str) -> list[dict]:

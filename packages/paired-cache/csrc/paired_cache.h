@@ -5,7 +5,7 @@
  * the declarations between the cdef markers through cffi (API mode); keep that block
  * free of preprocessor lines because cffi's cdef parser reads it verbatim.
  *
- * Layout (row-major, every buffer 64-byte aligned, owned by the cache):
+ * Layout (row-major, every buffer 64-byte aligned, owned by the cache except a mapped pool):
  *   neuron_pool[N, pool_row_bytes]  one row per neuron: its gate row (absent when
  *                                 gate_cols == 0), up row and down_T row (down[hidden, N]
  *                                 transposed) back to back, the row stride padded to a
@@ -62,10 +62,19 @@ enum {
 };
 
 int pc_create(const pc_config *config, pc_cache **out);
+/* A cache whose neuron pool is the caller's: n_rows rows of pc_pool_row_stride(...) bytes
+ * at neuron_pool (64-byte aligned, else PC_ERR_CONFIG), typically a read-only file mapping.
+ * The core only reads it (row copies, pc_check_valid), never writes or frees it; it must
+ * outlive the cache. The active buffers and metadata are allocated as in pc_create. */
+int pc_create_mapped(const pc_config *config, const void *neuron_pool, pc_cache **out);
 void pc_destroy(pc_cache *cache);
+/* The pool row stride pc_create would use for these columns, or -1 when out of range. */
+int64_t pc_pool_row_stride(int64_t gate_cols, int64_t up_cols, int64_t hidden,
+                           int64_t elem_size);
 
 void *pc_neuron_pool(pc_cache *cache);
 int64_t pc_pool_row_bytes(const pc_cache *cache); /* stride of neuron_pool's rows */
+int pc_pool_is_mapped(const pc_cache *cache);      /* 1 after pc_create_mapped */
 void *pc_active_gate_up(pc_cache *cache);
 void *pc_active_down_T(pc_cache *cache);
 int32_t *pc_active_indices(pc_cache *cache);

@@ -83,7 +83,24 @@ static size_t pool_row_stride(size_t row_bytes, size_t elem_size) {
     return (row_bytes + unit - 1) / unit * unit;
 }
 
-int pc_create(const pc_config *config, pc_cache **out) {
+int64_t pc_pool_row_stride(int64_t gate_cols, int64_t up_cols, int64_t hidden,
+                           int64_t elem_size) {
+    if (gate_cols < 0 || gate_cols > INT32_MAX || up_cols < 1 || up_cols > INT32_MAX ||
+        hidden < 1 || hidden > INT32_MAX || elem_size < 1 || elem_size > 16) {
+        return -1;
+    }
+    int overflow = 0;
+    size_t row_bytes = mul3(gate_cols + up_cols + hidden, elem_size, 1, &overflow);
+    size_t stride = pool_row_stride(row_bytes, (size_t)elem_size);
+    if (overflow || stride < row_bytes || stride > (size_t)INT64_MAX) {
+        return -1;
+    }
+    return (int64_t)stride;
+}
+
+/* pc_create and pc_create_mapped: the pool is allocated here when mapped_pool is NULL,
+ * otherwise the caller's N rows of pool_row_bytes are read in place and never written. */
+static int create(const pc_config *config, const void *mapped_pool, pc_cache **out) {
     *out = NULL;
     if (config == NULL || !config_ok(config)) {
         return PC_ERR_CONFIG;
@@ -112,7 +129,11 @@ int pc_create(const pc_config *config, pc_cache **out) {
     size_t n = (size_t)c->n_rows;
     size_t cap = (size_t)c->capacity;
 
-    cache->neuron_pool = pc_aligned_alloc(pool_bytes);
+    /* A mapped pool is only ever read (memcpy sources, check_valid's memcmp): the cast
+     * drops const for the shared field, never to write through it. */
+    cache->pool_is_mapped = mapped_pool != NULL;
+    cache->neuron_pool =
+        mapped_pool != NULL ? (uint8_t *)(uintptr_t)mapped_pool : pc_aligned_alloc(pool_bytes);
     cache->active_gate_up = pc_aligned_alloc(gate_up_bytes);
     cache->active_down_T = pc_aligned_alloc(down_bytes);
     cache->active_indices = pc_aligned_alloc(cap * sizeof(int32_t));
@@ -139,12 +160,24 @@ int pc_create(const pc_config *config, pc_cache **out) {
     return PC_OK;
 }
 
+int pc_create(const pc_config *config, pc_cache **out) { return create(config, NULL, out); }
+
+int pc_create_mapped(const pc_config *config, const void *neuron_pool, pc_cache **out) {
+    if (neuron_pool == NULL || (uintptr_t)neuron_pool % PC_ALIGN != 0) {
+        *out = NULL;
+        return PC_ERR_CONFIG;
+    }
+    return create(config, neuron_pool, out);
+}
+
 void pc_destroy(pc_cache *cache) {
     if (cache == NULL) {
         return;
     }
     pc_pool_destroy(cache->pool);
-    pc_aligned_free(cache->neuron_pool);
+    if (!cache->pool_is_mapped) {
+        pc_aligned_free(cache->neuron_pool);
+    }
     pc_aligned_free(cache->active_gate_up);
     pc_aligned_free(cache->active_down_T);
     pc_aligned_free(cache->active_indices);
@@ -160,6 +193,7 @@ void pc_destroy(pc_cache *cache) {
 
 void *pc_neuron_pool(pc_cache *cache) { return cache->neuron_pool; }
 int64_t pc_pool_row_bytes(const pc_cache *cache) { return (int64_t)cache->pool_row_bytes; }
+int pc_pool_is_mapped(const pc_cache *cache) { return cache->pool_is_mapped; }
 void *pc_active_gate_up(pc_cache *cache) { return cache->active_gate_up; }
 void *pc_active_down_T(pc_cache *cache) { return cache->active_down_T; }
 int32_t *pc_active_indices(pc_cache *cache) { return cache->active_indices; }

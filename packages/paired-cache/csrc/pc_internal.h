@@ -32,6 +32,7 @@ struct pc_cache {
                             * of 64 and of elem_size: every pool row on a cache line */
 
     uint8_t *neuron_pool;    /* [N, pool_row_bytes]: gate | up | down_T per neuron */
+    int pool_is_mapped;      /* 1: neuron_pool is the caller's (a file mapping), read only */
     uint8_t *active_gate_up; /* [capacity, gate_cols + up_cols] */
     uint8_t *active_down_T;  /* [capacity, hidden] */
 

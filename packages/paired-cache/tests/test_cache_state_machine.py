@@ -6,6 +6,9 @@ cache must hold exactly the model's rows, in some order, with consistent metadat
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from paired_cache import CacheConfig, PairedCache
+from paired_cache.pool_file import PoolFile, write_pool_file
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -36,8 +40,9 @@ class CacheMachine(RuleBasedStateMachine):
         threads=st.integers(1, 4),
         grain=st.integers(1, 8),
         seed=st.integers(0, 2**16),
+        mapped=st.booleans(),
     )
-    def setup(self, dtype, with_gate, n, cols, capacity_frac, tau, threads, grain, seed):
+    def setup(self, dtype, with_gate, n, cols, capacity_frac, tau, threads, grain, seed, mapped):
         gate_cols, up_cols, hidden = cols
         gate, up, _ = make_weights(n, up_cols, dtype, seed, gate_cols=gate_cols)
         down = torch.randn(hidden, n, generator=torch.Generator().manual_seed(seed + 1))
@@ -46,7 +51,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.capacity = max(1, round(capacity_frac * n))
         self.tau = tau
         config = CacheConfig(hybrid_tau=tau, grain=grain, par_threshold=2, num_threads=threads)
-        self.cache = PairedCache(up, down, self.gate, capacity=self.capacity, config=config)
+        if mapped:
+            # The same cache over a pool file, mapped read-only: rows are copied from the
+            # mapping, and the pool views alias it.
+            path = Path(tempfile.mkdtemp(prefix="pc-sm-")) / "pool.pcpool"
+            no_gate = torch.empty(n, 0, dtype=dtype)
+            write_pool_file(path, [("mlp", gate if with_gate else no_gate, up, down)])
+            self.cache = PairedCache.from_pool_file(
+                PoolFile(path), 0, capacity=self.capacity, config=config
+            )
+            assert self.cache.pool_is_mapped
+            path.unlink()  # the mapping keeps the data; nothing is left behind
+            path.parent.rmdir()
+        else:
+            self.cache = PairedCache(up, down, self.gate, capacity=self.capacity, config=config)
+            assert not self.cache.pool_is_mapped
         self.model = np.zeros(n, dtype=bool)
         self.updates = 0
         self.rng = np.random.default_rng(seed)

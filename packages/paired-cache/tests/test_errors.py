@@ -146,7 +146,16 @@ def test_config_reads_the_environment(monkeypatch):
 
 def test_bad_environment_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV_GRAIN, "lots")
-    with pytest.raises(ValueError, match=r"WEIGHT_CACHE_GRAIN='lots' is not a valid int"):
+    with pytest.raises(ValueError, match=r"PAIRED_CACHE_GRAIN='lots' is not a valid int"):
+        CacheConfig()
+
+
+def test_old_environment_names_are_refused_with_the_new_one(monkeypatch):
+    monkeypatch.setenv("WEIGHT_CACHE_HYBRID_TAU_FRAC", "0.5")
+    with pytest.raises(
+        ValueError,
+        match=r"WEIGHT_CACHE_HYBRID_TAU_FRAC is no longer read; set PAIRED_CACHE_HYBRID_TAU",
+    ):
         CacheConfig()
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import make_weights
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -20,6 +20,7 @@ from paired_cache.mask_sources import (
     make_source,
 )
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
+from paired_cache.trained_predictor import TrainConfig, fit_predictor
 
 N, H = 48, 16
 
@@ -113,7 +114,11 @@ def test_every_source_selects_k_rows(name):
     mlp = GatedMLP()
     calibration = torch.randn(64, H, dtype=torch.float64)
     g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
-    source = make_source(name, g, u, mlp.act_fn, 0.3, calibration)
+    options = {}
+    if name == "trained":  # its weights come from training, not from calibration inputs
+        config = TrainConfig(rank=4, steps=2)
+        options["weights"] = fit_predictor(g, u, mlp.act_fn, 0.3, calibration, config)
+    source = make_source(name, g, u, mlp.act_fn, 0.3, calibration, **options)
     mask = source.select(torch.randn(H, dtype=torch.float64))
     assert mask.dtype == torch.bool and mask.shape == (N,)
     assert int(mask.sum()) == source.k == active_rows(0.3, N) == 14
@@ -204,3 +209,58 @@ def test_predictor_on_smollm2_beats_chance(smollm2, france):
     hits = sum(int((predictor.select(x) & oracle.select(x)).sum()) for x in held_out[name])
     recall = hits / (oracle.k * held_out[name].shape[0])
     assert recall > 0.55  # a random half would recall 0.5 of the oracle's rows
+
+
+@settings(max_examples=20, deadline=None)
+@given(window=st.integers(2, 5), seed=st.integers(0, 1000), tokens=st.integers(1, 9))
+# Found by hypothesis: the rows a shrinking union moves down into holes were counted as
+# read from the pool.
+@example(window=2, seed=2, tokens=3)
+def test_window_keeps_the_union_resident_and_computes_only_the_tokens_rows(window, seed, tokens):
+    mlp = GatedMLP(seed=seed)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sparse = SparseMLP.from_mlp(mlp, "oracle", 0.25, window=window)
+    single = SparseMLP.from_mlp(mlp, "oracle", 0.25)
+    assert sparse.cache.capacity == min(N, window * sparse.source.k)
+    masks, entered = [], 0
+    previous = torch.zeros(N, dtype=torch.bool)
+    for t in range(tokens):
+        got = sparse(x[t : t + 1])
+        masks.append(sparse.source.select(x[t]))
+        # The MLP's output is this token's mask's, whatever else stays resident.
+        torch.testing.assert_close(got, mlp.masked(x[t : t + 1], masks[-1]), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, single(x[t : t + 1]), rtol=1e-12, atol=1e-12)
+        union = torch.stack(masks[-window:]).any(0)
+        assert torch.equal(sparse.cache.mask(), union)
+        entered += int((union & ~previous).sum())
+        previous = union
+    # Only rows entering the union are read from the pool (no rebuild after the first fill:
+    # consecutive unions share the last mask), each row (gate | up | down) 3 x 16 float64.
+    assert sparse.pool_rows_read == entered
+    assert sparse.pool_bytes_read == entered * 3 * H * 8
+    # A row that stays in the window is read from the pool once, not once per token.
+    assert sparse.pool_bytes_read <= single.pool_bytes_read
+    assert sparse.tokens == single.tokens == tokens
+
+
+def test_cats_keeps_the_largest_gate_activations():
+    mlp = GatedMLP()
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    x = torch.randn(H, dtype=torch.float64)
+    scores = mlp.act_fn(g @ x).abs()
+    mask = make_source("cats", g, u, mlp.act_fn, 0.25).select(x)
+    assert int(mask.sum()) == 12
+    assert scores[mask].min() > scores[~mask].max()
+    threshold = float(scores.sort().values[-5])  # the 5 largest pass
+    by_threshold = make_source("cats", g, u, mlp.act_fn, 0.25, threshold=threshold).select(x)
+    assert torch.equal(by_threshold, scores >= threshold) and int(by_threshold.sum()) == 5
+    capped = make_source("cats", g, u, mlp.act_fn, 0.25, threshold=0.0).select(x)
+    assert torch.equal(capped, mask)  # more pass than the cache holds: the top k
+    with pytest.raises(ValueError, match=r"threshold must be a number >= 0"):
+        make_source("cats", g, u, mlp.act_fn, 0.25, threshold=-1.0)
+
+
+@pytest.mark.parametrize("window", [0, 1.5, True, 2000])
+def test_bad_window_is_rejected(window):
+    with pytest.raises(ValueError, match=r"window must be an int in \[1, 1024\]"):
+        SparseMLP.from_mlp(GatedMLP(), "oracle", 0.5, window=window)

@@ -13,11 +13,14 @@ from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import (
     MASK_SOURCES,
+    CatsMask,
     FixedMask,
     LowRankPredictor,
     MaskSource,
     OracleTopK,
 )
+from paired_cache.model_io import convert, load_sparse
+from paired_cache.pool_file import PoolFile, write_pool_file
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
 
 __all__ = [
@@ -26,16 +29,21 @@ __all__ = [
     "CacheConfig",
     "CacheInvariantError",
     "CacheStats",
+    "CatsMask",
     "FixedMask",
     "LowRankPredictor",
     "MaskSource",
     "OracleTopK",
     "PairedCache",
     "PairedCacheError",
+    "PoolFile",
     "SparseMLP",
     "UpdateInfo",
     "__version__",
     "collect_mlp_inputs",
+    "convert",
     "core_info",
+    "load_sparse",
     "sparsify_model",
+    "write_pool_file",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,57 @@ class PairedCache:
         if gate is not None:
             _check_weight("gate", gate, (n, None), up.dtype)
             gate_cols = gate.shape[1]
+        self._create(n, gate_cols, up_cols, hidden, up.dtype, capacity, config, init_mask, None)
+        with torch.no_grad():  # weights that require grad are copied as plain data
+            if gate is not None:
+                self.gate_pool.copy_(gate)
+            self.up_pool.copy_(up)
+            self.down_pool_T.copy_(down.t())  # (hidden, N) -> (N, hidden)
+        if init_mask is not None:
+            self.update(init_mask)
+
+    @classmethod
+    def from_pool_file(
+        cls,
+        pool_file,
+        layer: int | str,
+        *,
+        capacity: int | None = None,
+        config: CacheConfig | None = None,
+        init_mask: torch.Tensor | None = None,
+    ) -> PairedCache:
+        """A cache over one layer of a PoolFile (paired_cache.pool_file), read in place.
+
+        The neuron pool is the file's read-only mapping: updates copy rows from it into the
+        active buffers (the only anonymous memory, capacity rows), and the pool views
+        (neuron_pool, gate_pool, up_pool, down_pool_T) alias the mapping. Writing to those
+        views faults: the mapping is read-only.
+        """
+        from paired_cache.pool_file import PoolFile
+
+        if not isinstance(pool_file, PoolFile):
+            raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
+        index = pool_file.resolve(layer)
+        spec = pool_file.layers[index]
+        self = cls.__new__(cls)
+        self._create(
+            spec.n_rows,
+            spec.gate_cols,
+            spec.up_cols,
+            spec.hidden,
+            pool_file.dtype,
+            capacity,
+            config,
+            init_mask,
+            pool_file.layer_buffer(index),
+        )
+        if init_mask is not None:
+            self.update(init_mask)
+        return self
+
+    def _create(self, n, gate_cols, up_cols, hidden, dtype, capacity, config, init_mask, mapped):
+        """Validate capacity, config and init_mask, then create the C cache and its views;
+        mapped: a read-only buffer of the pool rows (pc_create_mapped), or None to allocate."""
         capacity = n if capacity is None else capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
             raise PairedCacheError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
@@ -116,7 +168,7 @@ class PairedCache:
         # keeps a copy, so later changes to the caller's config cannot reach the C core.
         config = dataclasses.replace(config)
         self.n_rows, self.up_cols, self.gate_cols, self.hidden = n, up_cols, gate_cols, hidden
-        self.capacity, self.config, self.dtype = capacity, config, up.dtype
+        self.capacity, self.config, self.dtype = capacity, config, dtype
         if init_mask is not None:
             # Validate before allocating anything.
             selected = int(self._mask_bytes(init_mask).sum())
@@ -125,47 +177,61 @@ class PairedCache:
                     f"init_mask selects {selected} rows but capacity is {capacity}"
                 )
 
+        size = dtype.itemsize
         cfg = ffi.new("pc_config *")
         cfg.n_rows, cfg.gate_cols, cfg.up_cols, cfg.hidden = n, gate_cols, up_cols, hidden
-        cfg.elem_size, cfg.capacity = up.element_size(), capacity
+        cfg.elem_size, cfg.capacity = size, capacity
         cfg.hybrid_tau, cfg.grain = config.hybrid_tau, config.grain
         cfg.par_threshold, cfg.num_threads = config.par_threshold, config.num_threads
         out = ffi.new("pc_cache **")
-        rc = lib.pc_create(cfg, out)
+        if mapped is None:
+            rc = lib.pc_create(cfg, out)
+            keep = None
+        else:
+            # from_buffer takes read-only buffers; the cdata pins the mapping, and the
+            # handle's destructor below keeps it alive as long as the C cache reads it.
+            keep = ffi.from_buffer(mapped)
+            rc = lib.pc_create_mapped(cfg, keep, out)
         if rc != lib.PC_OK:
             raise (MemoryError if rc == lib.PC_ERR_NOMEM else PairedCacheError)(
                 f"pc_create failed ({ERROR_NAMES.get(rc, rc)}) for N={n}, gate_cols={gate_cols}"
                 f", up_cols={up_cols}, hidden={hidden}, capacity={capacity}"
             )
-        self._handle = ffi.gc(out[0], lib.pc_destroy)
+        self._handle = ffi.gc(out[0], lambda ptr, _keep=keep: lib.pc_destroy(ptr))
         self._lock = threading.Lock()
         self._stats = ffi.new("pc_stats *")
         self._count = ffi.new("int64_t *")
-        h, size, row = self._handle, up.element_size(), gate_cols + up_cols
+        h, row = self._handle, gate_cols + up_cols
         # Pool rows are padded to a multiple of 64 bytes and of the element size by the core:
         # stride elements per row, of which the first gate_cols + up_cols + hidden are used.
         stride = lib.pc_pool_row_bytes(h) // size
-        padded = _view(h, lib.pc_neuron_pool(h), n * stride * size, self.dtype, (n, stride))
+        if mapped is None:
+            padded = _view(h, lib.pc_neuron_pool(h), n * stride * size, dtype, (n, stride))
+        else:
+            with warnings.catch_warnings():
+                # The mapping is read-only on purpose: torch warns that it cannot mark the
+                # tensor so; a write through these views faults instead of copying pages.
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(mapped, dtype=torch.uint8)
+            padded = flat.view(dtype).view(n, stride)
         self.neuron_pool = padded[:, : row + hidden]  # (N, gate_cols + up_cols + hidden)
-        self.gate_pool = self.neuron_pool[:, :gate_cols] if gate is not None else None
+        self.gate_pool = self.neuron_pool[:, :gate_cols] if gate_cols else None
         self.up_pool = self.neuron_pool[:, gate_cols:row]  # (N, up_cols)
         self.down_pool_T = self.neuron_pool[:, row:]  # (N, hidden)
-        with torch.no_grad():  # weights that require grad are copied as plain data
-            if gate is not None:
-                self.gate_pool.copy_(gate)
-            self.up_pool.copy_(up)
-            self.down_pool_T.copy_(down.t())  # (hidden, N) -> (N, hidden)
         self._active_gate_up = _view(
-            h, lib.pc_active_gate_up(h), capacity * row * size, self.dtype, (capacity, row)
+            h, lib.pc_active_gate_up(h), capacity * row * size, dtype, (capacity, row)
         )
         self._active_down_T = _view(
-            h, lib.pc_active_down_T(h), capacity * hidden * size, self.dtype, (capacity, hidden)
+            h, lib.pc_active_down_T(h), capacity * hidden * size, dtype, (capacity, hidden)
         )
         self._indices = _view(h, lib.pc_active_indices(h), capacity * 4, torch.int32, (capacity,))
         self._positions = _view(h, lib.pc_index_to_position(h), n * 4, torch.int32, (n,))
         self._mask = _view(h, lib.pc_current_mask(h), n, torch.bool, (n,))
-        if init_mask is not None:
-            self.update(init_mask)
+
+    @property
+    def pool_is_mapped(self) -> bool:
+        """True when the neuron pool is a read-only file mapping (from_pool_file)."""
+        return bool(lib.pc_pool_is_mapped(self._handle))
 
     def _mask_bytes(self, mask) -> torch.Tensor:
         """Validate a mask and return it as a contiguous (N,) bool tensor: N bytes of 0 or 1,

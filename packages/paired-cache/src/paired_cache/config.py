@@ -8,9 +8,16 @@ from dataclasses import dataclass, field
 
 from paired_cache.errors import PairedCacheError
 
-ENV_TAU = "WEIGHT_CACHE_HYBRID_TAU_FRAC"
-ENV_GRAIN = "WEIGHT_CACHE_GRAIN"
-ENV_PAR_THRESHOLD = "WEIGHT_CACHE_PAR_THRESHOLD"
+ENV_TAU = "PAIRED_CACHE_HYBRID_TAU"
+ENV_GRAIN = "PAIRED_CACHE_GRAIN"
+ENV_PAR_THRESHOLD = "PAIRED_CACHE_PAR_THRESHOLD"
+# Names read before 0.5.0: refused with the new name, so that a setting is never dropped
+# silently.
+OLD_ENV = {
+    "WEIGHT_CACHE_HYBRID_TAU_FRAC": ENV_TAU,
+    "WEIGHT_CACHE_GRAIN": ENV_GRAIN,
+    "WEIGHT_CACHE_PAR_THRESHOLD": ENV_PAR_THRESHOLD,
+}
 MAX_THREADS = 64  # the C core's limit (PC_MAX_THREADS)
 # The C core holds grain and par_threshold in int64_t; row counts never pass 2**31 - 1.
 MAX_ROWS = 2**31 - 1
@@ -20,6 +27,11 @@ DEFAULT_HYBRID_TAU = 1.8
 
 
 def _env_number(name: str, default, kind):
+    for old, new in OLD_ENV.items():
+        if new == name and os.environ.get(old):
+            raise PairedCacheError(
+                f"environment variable {old} is no longer read; set {new} instead"
+            )
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -54,8 +66,8 @@ class CacheConfig:
     (1..64). Every field is checked at construction (a bool is not an int here, NaN is not
     a number) and again by PairedCache, before the C core sees it; a bad value raises
     PairedCacheError naming the field and its range.
-    Each defaults to its environment variable (WEIGHT_CACHE_HYBRID_TAU_FRAC = 1.8,
-    WEIGHT_CACHE_GRAIN = 64, WEIGHT_CACHE_PAR_THRESHOLD = 64) or the usable cores.
+    Each defaults to its environment variable (PAIRED_CACHE_HYBRID_TAU = 1.8,
+    PAIRED_CACHE_GRAIN = 64, PAIRED_CACHE_PAR_THRESHOLD = 64) or the usable cores.
     """
 
     hybrid_tau: float = field(

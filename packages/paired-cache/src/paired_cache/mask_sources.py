@@ -42,6 +42,7 @@ class MaskSource(ABC):
     """
 
     per_token: bool = True
+    needs_calibration: bool = False
 
     def __init__(self, n_rows: int, fraction: float) -> None:
         self.n_rows = n_rows
@@ -51,6 +52,20 @@ class MaskSource(ABC):
     @abstractmethod
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """x: (hidden,) float, one token's MLP input -> (N,) bool mask with k rows set."""
+
+    @classmethod
+    def build(
+        cls,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        act: Activation,
+        fraction: float,
+        calibration: torch.Tensor | None = None,
+        **options,
+    ) -> MaskSource:
+        """The source for one MLP from its gate, up (N, hidden) and, when needs_calibration,
+        calibration (T, hidden) inputs; what make_source calls for a registered name."""
+        return cls(gate, up, act, fraction, **options)
 
 
 class OracleTopK(MaskSource):
@@ -68,6 +83,43 @@ class OracleTopK(MaskSource):
         x = x.to(self.gate.dtype)
         h = self.act(self.gate @ x) * (self.up @ x)  # (N,)
         return _top_k_mask(h.abs().float(), self.k)
+
+
+class CatsMask(MaskSource):
+    """CATS (Lee et al., 2024): the gate stays resident and is computed densely; the k rows
+    with the largest |act(gate x)| are kept, then up and down run over them only.
+
+    gate: (N, hidden) float (the cache's gate_pool: mapped from the pool file, its pages
+    file-backed). threshold: keep rows with |act(gate x)| >= threshold instead of the top
+    k, capped at k (the cache's capacity), at least one row.
+    """
+
+    def __init__(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        act: Activation,
+        fraction: float,
+        threshold: float | None = None,
+    ):
+        super().__init__(gate.shape[0], fraction)
+        if threshold is not None and (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not threshold >= 0
+        ):
+            raise PairedCacheError(f"threshold must be a number >= 0 or None, got {threshold!r}")
+        self.gate, self.act, self.threshold = gate, act, threshold
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.act(self.gate @ x.to(self.gate.dtype)).abs().float()  # (N,)
+        if self.threshold is None:
+            return _top_k_mask(scores, self.k)
+        mask = scores >= self.threshold
+        count = int(mask.sum())
+        if count > self.k:  # more than the cache holds: the k strongest of them
+            return _top_k_mask(scores, self.k)
+        return mask if count else _top_k_mask(scores, 1)
 
 
 class LowRankPredictor(MaskSource):
@@ -107,6 +159,12 @@ class LowRankPredictor(MaskSource):
         self.gate_in, self.gate_out = self._fit(gate.double(), x, rank)
         self.up_in, self.up_out = self._fit(up.double(), x, rank)
 
+    needs_calibration = True
+
+    @classmethod
+    def build(cls, gate, up, act, fraction, calibration=None, **options) -> LowRankPredictor:
+        return cls(gate, up, act, fraction, _require(calibration, "lowrank"), **options)
+
     @staticmethod
     def _fit(w: torch.Tensor, x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """w: (N, hidden), x: (T, hidden) -> (hidden, r) and (r, N) float32 factors."""
@@ -125,6 +183,7 @@ class FixedMask(MaskSource):
     """The same mask for every token (static pruning), e.g. from calibration statistics."""
 
     per_token = False
+    needs_calibration = True
 
     def __init__(self, mask: torch.Tensor) -> None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
@@ -150,8 +209,20 @@ class FixedMask(MaskSource):
         h = act(x @ gate.T) * (x @ up.T)  # (T, N)
         return cls(_top_k_mask(h.abs().float().mean(0), active_rows(fraction, gate.shape[0])))
 
+    @classmethod
+    def build(cls, gate, up, act, fraction, calibration=None, **options) -> FixedMask:
+        return cls.from_calibration(
+            gate, up, act, fraction, _require(calibration, "fixed"), **options
+        )
+
     def select(self, x: torch.Tensor) -> torch.Tensor:
         return self.mask
+
+
+def _require(calibration: torch.Tensor | None, name: str) -> torch.Tensor:
+    if calibration is None:
+        raise PairedCacheError(f"mask source {name!r} needs calibration inputs (T, hidden)")
+    return calibration
 
 
 def make_source(
@@ -163,27 +234,23 @@ def make_source(
     calibration: torch.Tensor | None = None,
     **options,
 ) -> MaskSource:
-    """Build the source registered under name; "lowrank" and "fixed" need calibration
-    (T, hidden) inputs of this MLP."""
+    """Build the source registered under name; those with needs_calibration ("lowrank",
+    "fixed") need calibration (T, hidden) inputs of this MLP."""
     if name not in MASK_SOURCES:
         raise PairedCacheError(f"unknown mask source {name!r}; known: {sorted(MASK_SOURCES)}")
-    if name == "oracle":
-        return OracleTopK(gate, up, act, fraction, **options)
-    if calibration is None:
-        raise PairedCacheError(f"mask source {name!r} needs calibration inputs (T, hidden)")
-    if name == "lowrank":
-        return LowRankPredictor(gate, up, act, fraction, calibration, **options)
-    return FixedMask.from_calibration(gate, up, act, fraction, calibration, **options)
+    return MASK_SOURCES[name].build(gate, up, act, fraction, calibration, **options)
 
 
 MASK_SOURCES: dict[str, type[MaskSource]] = {
     "oracle": OracleTopK,
+    "cats": CatsMask,
     "lowrank": LowRankPredictor,
     "fixed": FixedMask,
 }
 
 __all__ = [
     "MASK_SOURCES",
+    "CatsMask",
     "FixedMask",
     "LowRankPredictor",
     "MaskSource",
@@ -191,3 +258,6 @@ __all__ = [
     "active_rows",
     "make_source",
 ]
+
+# "trained" (the Deja Vu predictor) registers itself; its module builds on this one.
+import paired_cache.trained_predictor  # noqa: E402, F401

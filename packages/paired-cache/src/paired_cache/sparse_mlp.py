@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,7 @@ from paired_cache.mask_sources import (
     active_rows,
     make_source,
 )
+from paired_cache.pool_file import PoolFile
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -34,19 +37,52 @@ class SparseMLP(nn.Module):
     dense MLP up to float rounding.
     """
 
-    def __init__(self, cache: PairedCache, act: Activation, source: MaskSource) -> None:
+    def __init__(
+        self, cache: PairedCache, act: Activation, source: MaskSource, window: int = 1
+    ) -> None:
         super().__init__()
         if cache.gate_cols == 0 or cache.gate_cols != cache.up_cols:
             raise PairedCacheError(
                 f"SparseMLP needs a gate with as many columns as up, got gate_cols="
                 f"{cache.gate_cols}, up_cols={cache.up_cols}"
             )
-        if source.n_rows != cache.n_rows or source.k > cache.capacity:
+        check_window(window)
+        need = window_capacity(source.k, cache.n_rows, window)
+        if source.n_rows != cache.n_rows or need > cache.capacity:
             raise PairedCacheError(
-                f"mask source picks {source.k} of {source.n_rows} rows; the cache has "
-                f"N={cache.n_rows}, capacity={cache.capacity}"
+                f"mask source picks {source.k} of {source.n_rows} rows over a window of "
+                f"{window} tokens (up to {need} resident); the cache has N={cache.n_rows}, "
+                f"capacity={cache.capacity}"
             )
-        self.cache, self.act_fn, self.source = cache, act, source
+        self.cache, self.act_fn, self.source, self.window = cache, act, source, window
+        self._recent: deque[torch.Tensor] = deque(maxlen=window)
+        self.tokens = 0
+        self.pool_rows_read = 0
+        # One row of the active buffers: gate | up, and down transposed.
+        self._row_bytes = (cache.gate_cols + cache.up_cols + cache.hidden) * cache.dtype.itemsize
+
+    @property
+    def pool_bytes_read(self) -> int:
+        """Bytes copied from the neuron pool into the active rows since construction.
+
+        Only copies out of the pool count: a rebuild reads every row of the new set, a paired
+        update its added rows. The rows a shrinking set moves down into holes are copied
+        within the active buffers (cache.stats.bytes_moved counts them too)."""
+        return self.pool_rows_read * self._row_bytes
+
+    def _update(self, mask: torch.Tensor) -> None:
+        info = self.cache.update(mask)
+        self.pool_rows_read += info.rows_copied if info.rebuilt else info.added
+
+    def _resident_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The union of the masks of the last window tokens, this one included."""
+        self._recent.append(mask)
+        if self.window == 1:
+            return mask
+        union = self._recent[0].clone()
+        for m in list(self._recent)[1:]:
+            union |= m
+        return union
 
     @classmethod
     def from_mlp(
@@ -56,10 +92,12 @@ class SparseMLP(nn.Module):
         fraction: float,
         calibration: torch.Tensor | None = None,
         config: CacheConfig | None = None,
+        window: int = 1,
         **options,
     ) -> SparseMLP:
         """Wrap a gated MLP; source names a MASK_SOURCES entry, calibration is (T, hidden)
-        inputs of this MLP for the sources that fit to data."""
+        inputs of this MLP for the sources that fit to data; window: tokens whose masks'
+        union stays resident (1: only the current token's rows)."""
         if not is_gated_mlp(mlp):
             raise PairedCacheError(
                 f"{type(mlp).__name__} is not a gated MLP (needs {GATED_MLP_PARTS})"
@@ -69,18 +107,57 @@ class SparseMLP(nn.Module):
             raise PairedCacheError("SparseMLP supports bias-free projections only")
         if source not in MASK_SOURCES:
             raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+        check_window(window)
         with torch.no_grad():
             gate, up, down = (p.weight.detach().contiguous() for p in parts)
-            capacity = active_rows(fraction, gate.shape[0])
+            n = gate.shape[0]
+            capacity = window_capacity(active_rows(fraction, n), n, window)
             cache = PairedCache(up, down, gate, capacity=capacity, config=config)
             # The source reads the cache's pools: no second copy of gate and up.
             src = make_source(
                 source, cache.gate_pool, cache.up_pool, mlp.act_fn, fraction, calibration, **options
             )
-        return cls(cache, mlp.act_fn, src)
+        return cls(cache, mlp.act_fn, src, window)
 
-    def _active_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden) over the m active rows."""
+    @classmethod
+    def from_pool_file(
+        cls,
+        pool_file,
+        layer: int | str,
+        act: Activation,
+        source: str,
+        fraction: float,
+        *,
+        config: CacheConfig | None = None,
+        window: int = 1,
+        calibration: torch.Tensor | None = None,
+        **options,
+    ) -> SparseMLP:
+        """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
+        mapping and only the active rows (window_capacity rows) are anonymous memory."""
+        if source not in MASK_SOURCES:
+            raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+        check_window(window)
+        if not isinstance(pool_file, PoolFile):
+            raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
+        index = pool_file.resolve(layer)
+        spec = pool_file.layers[index]
+        capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
+        cache = PairedCache.from_pool_file(pool_file, index, capacity=capacity, config=config)
+        src = make_source(
+            source,
+            cache.gate_pool,
+            cache.up_pool,
+            act,
+            fraction,
+            calibration,
+            **_layer_options(options, index),
+        )
+        return cls(cache, act, src, window)
+
+    def _active_forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden) over the m active rows; keep: (N,) bool, the rows
+        this token's mask picked when the window keeps more rows resident."""
         m, hidden = self.cache.num_active, self.cache.gate_cols
         gate_up = self.cache.gate_up().view(2 * m, hidden)  # rows g_0, u_0, g_1, u_1, ...
         h2 = F.linear(x, gate_up).view(x.shape[0], m, 2)  # (T, m, 2)
@@ -89,21 +166,44 @@ class SparseMLP(nn.Module):
         # the dense MLP's contiguous gate output gets, and that last-bit difference grows
         # through the layers (1.6e-4 in SmolLM2's float32 logits).
         h = self.act_fn(h2[..., 0].contiguous()) * h2[..., 1]  # (T, m)
+        if keep is not None:
+            # Resident rows that this token's mask did not pick count as zero, so that the
+            # window changes what is read from the pool, not what the MLP computes.
+            h = h * keep[self.cache._indices[:m]].to(h.dtype)
         return F.linear(h, self.cache.down())  # down(): (hidden, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
         if not self.source.per_token:
-            self.cache.update(self.source.select(flat[0]))
+            self._update(self.source.select(flat[0]))
             out = self._active_forward(flat)
+            self.tokens += flat.shape[0]
         else:
             out = torch.empty_like(flat)
             # One mask per token, as in decoding: a prompt runs token by token here.
             for t in range(flat.shape[0]):
-                self.cache.update(self.source.select(flat[t]))
-                out[t] = self._active_forward(flat[t : t + 1])[0]
+                mask = self.source.select(flat[t])
+                self._update(self._resident_mask(mask))
+                keep = mask if self.window > 1 else None
+                out[t] = self._active_forward(flat[t : t + 1], keep)[0]
+            self.tokens += flat.shape[0]
         return out.view(shape).to(x.dtype)
+
+
+def check_window(window) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1024:
+        raise PairedCacheError(f"window must be an int in [1, 1024] tokens, got {window!r}")
+
+
+def window_capacity(k: int, n_rows: int, window: int) -> int:
+    """Rows a window of `window` masks of k rows can keep resident: min(N, window * k)."""
+    return min(n_rows, window * k)
+
+
+def _layer_options(options: dict, index: int) -> dict:
+    """Per-layer options: a value given as a list or tuple of one per layer is indexed."""
+    return {k: (v[index] if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
 
 
 def collect_mlp_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -133,6 +233,7 @@ def sparsify_model(
     fraction: float,
     calibration_ids: torch.Tensor | None = None,
     config: CacheConfig | None = None,
+    window: int = 1,
     **options,
 ) -> list[SparseMLP]:
     """Replace every gated MLP of model by a SparseMLP in place and return them in order.
@@ -150,7 +251,13 @@ def sparsify_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         sparse = SparseMLP.from_mlp(
-            getattr(parent, child), source, fraction, calibration.get(name), config, **options
+            getattr(parent, child),
+            source,
+            fraction,
+            calibration.get(name),
+            config,
+            window,
+            **_layer_options(options, len(replaced)),
         )
         setattr(parent, child, sparse)
         replaced.append(sparse)

@@ -39,9 +39,7 @@ static uint8_t weight_byte(int64_t r, size_t b, int part) {
 }
 
 /* Writes every neuron's gate, up and down_T rows into its pool row, back to back. */
-static void fill_pool(pc_cache *cache, int64_t n, const size_t part_bytes[3]) {
-    uint8_t *pool = pc_neuron_pool(cache);
-    size_t stride = (size_t)pc_pool_row_bytes(cache);
+static void fill_rows(uint8_t *pool, size_t stride, int64_t n, const size_t part_bytes[3]) {
     for (int64_t r = 0; r < n; r++) {
         uint8_t *row = pool + (size_t)r * stride;
         for (int part = 0; part < 3; part++) {
@@ -50,6 +48,10 @@ static void fill_pool(pc_cache *cache, int64_t n, const size_t part_bytes[3]) {
             }
         }
     }
+}
+
+static void fill_pool(pc_cache *cache, int64_t n, const size_t part_bytes[3]) {
+    fill_rows(pc_neuron_pool(cache), (size_t)pc_pool_row_bytes(cache), n, part_bytes);
 }
 
 /* 1 when position p of the active buffers holds neuron id's gate | up row and down_T row,
@@ -119,17 +121,38 @@ static int64_t random_mask(uint8_t *mask, const uint8_t *old, int64_t n, int64_t
     return count;
 }
 
+/* mapped: the pool is a caller's buffer (pc_create_mapped), filled before the cache exists
+ * and compared byte for byte after the run: the core must never write it. */
 static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int64_t elem,
-                       int64_t cap, double tau, int steps) {
+                       int64_t cap, double tau, int steps, int mapped) {
     pc_config cfg = base_config(n, gate, up, hidden, elem, cap);
     cfg.hybrid_tau = tau;
     pc_cache *cache = NULL;
-    CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create");
+    const size_t parts[3] = {(size_t)(gate * elem), (size_t)(up * elem), (size_t)(hidden * elem)};
+    size_t stride = (size_t)pc_pool_row_stride(gate, up, hidden, elem);
+    uint8_t *external = NULL, *pristine = NULL;
+    if (mapped) {
+        external = aligned_alloc(64, (size_t)n * stride);
+        pristine = malloc((size_t)n * stride);
+        memset(external, 0xA5, (size_t)n * stride);
+        fill_rows(external, stride, n, parts);
+        memcpy(pristine, external, (size_t)n * stride);
+        CHECK(pc_create_mapped(&cfg, external, &cache) == PC_OK, "pc_create_mapped");
+        CHECK(cache == NULL || (pc_neuron_pool(cache) == external && pc_pool_is_mapped(cache)),
+              "mapped cache does not read the caller's pool");
+    } else {
+        CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create");
+        if (cache != NULL) {
+            CHECK(!pc_pool_is_mapped(cache), "own pool reported as mapped");
+            fill_pool(cache, n, parts);
+        }
+    }
     if (cache == NULL) {
+        free(external);
+        free(pristine);
         return;
     }
-    const size_t parts[3] = {(size_t)(gate * elem), (size_t)(up * elem), (size_t)(hidden * elem)};
-    fill_pool(cache, n, parts);
+    CHECK(pc_pool_row_bytes(cache) == (int64_t)stride, "pc_pool_row_stride disagrees");
     uint8_t *model = calloc((size_t)n, 1);
     uint8_t *mask = calloc((size_t)n, 1);
     char msg[256];
@@ -175,6 +198,27 @@ static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int6
     free(model);
     free(mask);
     pc_destroy(cache);
+    if (mapped) {
+        CHECK(memcmp(external, pristine, (size_t)n * stride) == 0, "mapped pool was written");
+    }
+    free(external);
+    free(pristine);
+}
+
+static void test_mapped_errors(void) {
+    pc_config cfg = base_config(16, 4, 4, 4, 4, 8);
+    uint8_t *pool = aligned_alloc(64, 16 * 64 + 64);
+    pc_cache *cache = (pc_cache *)&cfg; /* must be reset to NULL on failure */
+    CHECK(pc_create_mapped(&cfg, NULL, &cache) == PC_ERR_CONFIG && cache == NULL, "NULL pool");
+    cache = (pc_cache *)&cfg;
+    CHECK(pc_create_mapped(&cfg, pool + 8, &cache) == PC_ERR_CONFIG && cache == NULL,
+          "misaligned pool accepted");
+    cfg.capacity = 0;
+    CHECK(pc_create_mapped(&cfg, pool, &cache) == PC_ERR_CONFIG && cache == NULL,
+          "bad config with a mapped pool");
+    CHECK(pc_pool_row_stride(0, 0, 4, 4) == -1 && pc_pool_row_stride(1, 1, 1, 17) == -1,
+          "pc_pool_row_stride accepted bad columns");
+    free(pool);
 }
 
 static void test_config_errors(void) {
@@ -262,14 +306,18 @@ int main(void) {
     test_config_errors();
     test_corruption_detected();
     test_pool_row_stride();
+    test_mapped_errors();
     const int64_t elems[4] = {8, 4, 2, 1};
     for (int e = 0; e < 4; e++) {
-        run_random(64, 3, 5, 7, elems[e], 40, 0.5, 300);  /* gate on, hybrid default */
-        run_random(64, 0, 5, 7, elems[e], 64, 0.5, 300);  /* gate off, capacity N */
-        run_random(50, 4, 4, 4, elems[e], 20, 1e9, 300);  /* never rebuild */
-        run_random(50, 4, 4, 4, elems[e], 20, 0.0, 100);  /* always rebuild */
+        for (int mapped = 0; mapped < 2; mapped++) {
+            run_random(64, 3, 5, 7, elems[e], 40, 0.5, 300, mapped); /* gate on, hybrid */
+            run_random(64, 0, 5, 7, elems[e], 64, 0.5, 300, mapped); /* gate off, capacity N */
+            run_random(50, 4, 4, 4, elems[e], 20, 1e9, 300, mapped); /* never rebuild */
+            run_random(50, 4, 4, 4, elems[e], 20, 0.0, 100, mapped); /* always rebuild */
+        }
     }
-    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40); /* enough rows for the threaded path */
+    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40, 0); /* enough rows for the threaded path */
+    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40, 1);
     if (failures) {
         fprintf(stderr, "%d failure(s)\n", failures);
         return 1;

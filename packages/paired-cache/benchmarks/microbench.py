@@ -252,3 +252,44 @@ def markdown(columns: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python benchmarks/microbench.py [--quick] [--steps S] [--threads T] [--json PATH]:
+    one table of updates against rebuilds (update_bench.py writes the README's)."""
+    import argparse
+    import json
+    import os
+    import platform
+    import sys
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="microbench.py")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few steps")
+    parser.add_argument("--steps", type=int, default=None, help="updates per cell (default 200)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="copy threads and torch threads (default: cores)"
+    )
+    parser.add_argument("--json", default=None, help="also write the table as JSON here")
+    args = parser.parse_args(argv)
+    cfg = BenchConfig(steps=args.steps or (20 if args.quick else 200))
+    if args.quick:
+        cfg = BenchConfig(
+            n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256), steps=cfg.steps
+        )
+    threads = CacheConfig().num_threads if args.threads is None else args.threads
+    result = run(cfg, threads, progress=lambda s: print(s, file=sys.stderr))
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(markdown(result["columns"], result["rows"]))
+    if args.json:
+        payload = {k: result[k] for k in ("columns", "rows")}
+        directory = os.path.dirname(os.path.abspath(args.json))
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, args.json)  # never a half-written file
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

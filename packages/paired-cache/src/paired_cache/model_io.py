@@ -1,0 +1,270 @@
+"""Models on storage: read MLP weights for ``convert``, and build a sparse model with
+``load_sparse`` whose weights stay in their files (mapped read-only, file-backed pages).
+
+``convert`` reads a Hugging Face directory (config.json and *.safetensors), a single
+.safetensors file, or a GGUF file (dequantised by transformers, which needs ``gguf``), and
+writes every gated MLP's neuron pool (paired_cache.pool_file). ``load_sparse`` builds the
+transformers model on the meta device, replaces each MLP by a SparseMLP over its pool in the
+pool file, and points every other parameter at its bytes in the mapped safetensors: the
+dense MLP weights are never materialised, and no weight becomes anonymous memory.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paired_cache.config import CacheConfig
+from paired_cache.errors import PairedCacheError
+from paired_cache.pool_file import PoolFile, write_pool_file
+
+ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+MLP_SUFFIXES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+class SafetensorsMap:
+    """A .safetensors file mapped read-only: tensor(name) is a zero-copy view of its bytes."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise PairedCacheError(f"{self.path}: too short for safetensors")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise PairedCacheError(f"{self.path}: header length {n} past the file's end")
+            try:
+                meta = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise PairedCacheError(f"{self.path}: header is not JSON ({exc})") from None
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if not isinstance(meta, dict):
+            raise PairedCacheError(f"{self.path}: header is not a JSON object")
+        meta.pop("__metadata__", None)
+        self._start, self._size = 8 + n, size
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in meta.items():
+            try:
+                dtype = ST_DTYPES[entry["dtype"]]
+                shape = tuple(int(s) for s in entry["shape"])
+                begin, end = (int(o) for o in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise PairedCacheError(
+                    f"{self.path}: bad entry for {name}: {entry!r:.120}"
+                ) from None
+            count = 1
+            for s in shape:
+                count *= s
+            if (
+                any(s < 0 for s in shape)
+                or end - begin != count * dtype.itemsize
+                or begin < 0
+                or self._start + end > size
+            ):
+                raise PairedCacheError(f"{self.path}: {name} {shape} does not fit its bytes")
+            self.entries[name] = (dtype, shape, self._start + begin, self._start + end)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, begin, end = self.entries[name]
+        if begin % dtype.itemsize:
+            raise PairedCacheError(f"{self.path}: {name} is not aligned to its element size")
+        with warnings.catch_warnings():
+            # Read-only on purpose: a write faults instead of copying the page.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(memoryview(self._mmap)[begin:end], dtype=torch.uint8)
+        return flat.view(dtype).view(shape)
+
+
+def _safetensors_files(source: Path) -> list[Path]:
+    if source.is_file() and source.suffix == ".safetensors":
+        return [source]
+    if source.is_dir():
+        files = sorted(source.glob("*.safetensors"))
+        if files:
+            return files
+    raise PairedCacheError(
+        f"{source}: expected a .safetensors file, a .gguf file or a directory holding *.safetensors"
+    )
+
+
+def _mlp_prefixes(names) -> list[str]:
+    """'model.layers.0.mlp' for every gate_proj/up_proj/down_proj triple, in layer order."""
+    prefixes = {n[: -len(MLP_SUFFIXES[0]) - 1] for n in names if n.endswith(MLP_SUFFIXES[0])}
+
+    def key(prefix: str):
+        return [int(p) if p.isdigit() else p for p in prefix.split(".")]
+
+    return sorted(prefixes, key=key)
+
+
+def iter_mlp_weights(source: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor, ...]]:
+    """(name, gate (N, h), up (N, h), down (h, N)) of every gated MLP of a model on storage:
+    a HF directory or .safetensors file (read through the mapping), or a .gguf file
+    (loaded and dequantised by transformers)."""
+    source = Path(source)
+    if source.suffix == ".gguf":
+        yield from _gguf_mlp_weights(source)
+        return
+    maps = [SafetensorsMap(p) for p in _safetensors_files(source)]
+    where = {name: m for m in maps for name in m.entries}
+    prefixes = _mlp_prefixes(where)
+    if not prefixes:
+        raise PairedCacheError(f"{source}: no '*.mlp.gate_proj.weight' tensors (no gated MLP)")
+    for prefix in prefixes:
+        names = [f"{prefix}.{s}" for s in MLP_SUFFIXES]
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise PairedCacheError(f"{source}: {prefix} lacks {missing}")
+        yield (prefix, *(where[n].tensor(n) for n in names))
+
+
+def _gguf_mlp_weights(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from paired_cache.sparse_mlp import is_gated_mlp
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    for name, module in model.named_modules():
+        if is_gated_mlp(module):
+            yield (
+                name,
+                *(
+                    p.weight.detach().contiguous()
+                    for p in (module.gate_proj, module.up_proj, module.down_proj)
+                ),
+            )
+
+
+class _Progress:
+    """A one-line progress bar on stderr: [#####     ] 12/30 model.layers.11.mlp."""
+
+    def __init__(self, total: int | None, stream=sys.stderr) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        if self.total:
+            filled = 30 * self.done // self.total
+            bar = f"[{'#' * filled}{' ' * (30 - filled)}] {self.done}/{self.total}"
+        else:
+            bar = f"{self.done}"
+        self.stream.write(f"\r{bar} {label}\x1b[K")
+        if self.total and self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def convert(source: str | os.PathLike, out: str | os.PathLike, *, progress: bool = True):
+    """Write every gated MLP of the model at source into the pool file out; returns its
+    PoolLayer list. Nothing is left at out when it fails."""
+    source = Path(source)
+    if not source.exists():
+        raise PairedCacheError(f"{source} does not exist")
+    total = None
+    if source.suffix != ".gguf":
+        maps = [SafetensorsMap(p) for p in _safetensors_files(source)]
+        total = len(_mlp_prefixes(name for m in maps for name in m.entries))
+    bar = _Progress(total) if progress else None
+    return write_pool_file(out, iter_mlp_weights(source), progress=bar)
+
+
+def load_sparse(
+    model_dir: str | os.PathLike,
+    pool_path: str | os.PathLike,
+    source: str = "cats",
+    fraction: float = 0.5,
+    *,
+    config: CacheConfig | None = None,
+    window: int = 1,
+    **options,
+):
+    """A transformers causal LM whose MLPs are SparseMLPs over the pool file's mapped pools
+    and whose other weights are views of the mapped safetensors of model_dir (config.json
+    and *.safetensors): nothing is copied into anonymous memory but the caches' active rows
+    and what the mask sources build. source: a MASK_SOURCES name whose build needs no
+    calibration inputs ("cats", "oracle", or "trained" with predictor=PATH, a file of
+    paired_cache.trained_predictor.save_predictors).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from paired_cache.sparse_mlp import SparseMLP, is_gated_mlp
+
+    model_dir = Path(model_dir)
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    pools = PoolFile(pool_path)
+    maps = [SafetensorsMap(p) for p in _safetensors_files(model_dir)]
+    where = {name: m for m in maps for name in m.entries}
+    dtypes = {where[n].entries[n][0] for n in where if n.endswith(MLP_SUFFIXES[0])}
+    if dtypes and dtypes != {pools.dtype}:
+        raise PairedCacheError(
+            f"{pool_path} holds {pools.dtype} pools but {model_dir}'s MLPs are {sorted(map(str, dtypes))}"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=pools.dtype)
+    mlp_names = [name for name, module in model.named_modules() if is_gated_mlp(module)]
+    if [pools.layers[i].name for i in range(len(pools.layers))] != mlp_names:
+        raise PairedCacheError(
+            f"{pool_path} holds layers {[layer.name for layer in pools.layers][:3]}..., the model "
+            f"built from {model_dir} has MLPs {mlp_names[:3]}... ({len(mlp_names)})"
+        )
+    if "predictor" in options:  # a file of save_predictors: one set of weights per MLP
+        from paired_cache.trained_predictor import load_predictors
+
+        predictors = load_predictors(options.pop("predictor"))
+        missing = [name for name in mlp_names if name not in predictors]
+        if missing:
+            raise PairedCacheError(f"the predictor file has no weights for {missing[:3]}")
+        options["weights"] = [predictors[name] for name in mlp_names]
+    for name in mlp_names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        mlp = getattr(parent, child)
+        sparse = SparseMLP.from_pool_file(
+            pools, name, mlp.act_fn, source, fraction, config=config, window=window, **options
+        )
+        setattr(parent, child, sparse)
+    for module_name, module in model.named_modules():
+        for pname in [name for name, _ in module.named_parameters(recurse=False)]:
+            full = f"{module_name}.{pname}" if module_name else pname
+            if full in where:
+                module._parameters[pname] = nn.Parameter(
+                    where[full].tensor(full), requires_grad=False
+                )
+    if getattr(hf_config, "tie_word_embeddings", False):
+        # A tied checkpoint stores one of the two (save_model may keep either name).
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        weight = head.weight if embed.weight.is_meta else embed.weight
+        embed.weight = head.weight = weight
+    for module_name, module in list(model.named_modules()):
+        if module_name and any(b.is_meta for b in module.buffers(recurse=False)):
+            if not type(module).__name__.endswith("RotaryEmbedding"):
+                continue  # left for the check below, which names it
+            # Rotary embeddings' inv_freq is computed from the config, not stored.
+            parent_name, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, type(module)(config=hf_config))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise PairedCacheError(f"{model_dir}: no weights for {left[:5]} ({len(left)} tensors)")
+    model.eval()
+    return model
+
+
+__all__ = ["SafetensorsMap", "convert", "iter_mlp_weights", "load_sparse"]

@@ -1,0 +1,310 @@
+"""The neuron pool on storage: one file holding every MLP's pool, mapped read-only at run time.
+
+Layout (format 1), little-endian:
+
+    [0, 8)            magic b"PCPOOL\\x00\\x01"
+    page-aligned      each layer's pool: N rows of row_bytes, one per neuron, the gate row |
+                      up row | down_T row, zero-padded to the C core's row stride (a multiple
+                      of 64 bytes and of the element size): PairedCache's in-memory layout
+    ...               the header: UTF-8 JSON (format_version, dtype, layers: name, n_rows,
+                      gate_cols, up_cols, hidden, row_bytes, offset, sha256 of the pool bytes)
+    last 48 bytes     u64 header length | sha256 of the header (32 bytes) | the magic again
+
+The header sits at the end so that the pools can be streamed out layer by layer. Opening
+checks the trailer, the header's checksum, every field's type and range, and that every pool
+lies inside the file, before mapping anything; the pools' own sha256 are checked only by
+``verify()`` (it reads the whole file, which is what mapping on demand avoids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paired_cache._core import lib
+from paired_cache.errors import PairedCacheError
+
+MAGIC = b"PCPOOL\x00\x01"
+FORMAT_VERSION = 1
+PAGE = 4096
+TRAILER = struct.Struct("<Q32s8s")
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+MAX_DIM = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class PoolLayer:
+    """One MLP's pool inside the file: n_rows rows of row_bytes at offset."""
+
+    name: str
+    n_rows: int
+    gate_cols: int
+    up_cols: int
+    hidden: int
+    row_bytes: int
+    offset: int
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_rows * self.row_bytes
+
+
+def row_stride(gate_cols: int, up_cols: int, hidden: int, elem_size: int) -> int:
+    """Bytes per pool row, as the C core lays it out (pc_pool_row_stride)."""
+    stride = lib.pc_pool_row_stride(gate_cols, up_cols, hidden, elem_size)
+    if stride < 0:
+        raise PairedCacheError(
+            f"pool row of gate_cols={gate_cols}, up_cols={up_cols}, hidden={hidden}, "
+            f"elem_size={elem_size} is out of the C core's range"
+        )
+    return stride
+
+
+def _pool_rows(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, stride: int) -> bytes:
+    """gate, up: (N, hidden_in), down: (hidden, N) -> N rows of stride bytes."""
+    n = up.shape[0]
+    size = up.element_size()
+    rows = torch.zeros(n, stride // size, dtype=up.dtype)  # (N, stride elements)
+    g, u = gate.shape[1], up.shape[1]
+    rows[:, :g] = gate
+    rows[:, g : g + u] = up
+    rows[:, g + u : g + u + down.shape[0]] = down.t()  # (hidden, N) -> (N, hidden)
+    return rows.view(torch.uint8).numpy().tobytes()
+
+
+def write_pool_file(
+    path: str | os.PathLike,
+    layers: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> list[PoolLayer]:
+    """Write (name, gate (N, h), up (N, h), down (h_out, N)) of each MLP into a pool file.
+
+    Every layer has one dtype among float32, float16, bfloat16, float64; a gate
+    of shape (N, 0) stands for an MLP without one. The file is written to a
+    temporary name beside path and renamed: a failure leaves no file at path.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    written: list[PoolLayer] = []
+    dtype = None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC)
+            for name, gate, up, down in layers:
+                if dtype is None:
+                    dtype = up.dtype
+                _check_layer(name, gate, up, down, dtype)
+                n, g, u, hidden = up.shape[0], gate.shape[1], up.shape[1], down.shape[0]
+                stride = row_stride(g, u, hidden, up.element_size())
+                offset = -(-f.tell() // PAGE) * PAGE
+                f.write(bytes(offset - f.tell()))
+                data = _pool_rows(gate, up, down, stride)
+                f.write(data)
+                written.append(
+                    PoolLayer(
+                        name, n, g, u, hidden, stride, offset, hashlib.sha256(data).hexdigest()
+                    )
+                )
+                if progress is not None:
+                    progress(name)
+            if not written:
+                raise PairedCacheError("no MLP layers to write")
+            header = json.dumps(
+                {
+                    "format_version": FORMAT_VERSION,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "layers": [vars(layer) for layer in written],
+                }
+            ).encode()
+            f.write(header)
+            f.write(TRAILER.pack(len(header), hashlib.sha256(header).digest(), MAGIC))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return written
+
+
+def _check_layer(name, gate, up, down, dtype) -> None:
+    for part, t in (("gate", gate), ("up", up), ("down", down)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise PairedCacheError(f"{name}: {part} must be a 2-D tensor")
+        if t.dtype != dtype or t.dtype not in DTYPES.values():
+            raise PairedCacheError(
+                f"{name}: {part} has dtype {t.dtype}; every layer needs one dtype among "
+                f"{sorted(DTYPES)} (the first layer's is {dtype})"
+            )
+    n = up.shape[0]
+    if gate.shape[0] != n or down.shape[1] != n:
+        raise PairedCacheError(
+            f"{name}: gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}"
+            " do not agree on N (gate, up: (N, h); down: (h_out, N))"
+        )
+
+
+def _field(layer: dict, key: str, low: int, high: int) -> int:
+    value = layer.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise PairedCacheError(
+            f"pool file layer field {key}={value!r}; expected an int in [{low}, {high}]"
+        )
+    return value
+
+
+class PoolFile:
+    """A pool file mapped read-only. layers: the PoolLayer of each MLP, in file order.
+
+    The mapping is shared by every PairedCache built on it and lives as long as any of
+    them (or any view of it) does; its pages are file-backed page cache, never anonymous
+    memory, and the kernel may drop them under memory pressure and read them again.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < len(MAGIC) + TRAILER.size:
+                raise PairedCacheError(f"{self.path}: {size} bytes is too short for a pool file")
+            if f.read(len(MAGIC)) != MAGIC:
+                raise PairedCacheError(f"{self.path}: not a paired-cache pool file (bad magic)")
+            f.seek(size - TRAILER.size)
+            header_len, digest, magic = TRAILER.unpack(f.read(TRAILER.size))
+            if magic != MAGIC or header_len > size - len(MAGIC) - TRAILER.size:
+                raise PairedCacheError(f"{self.path}: damaged trailer (header length {header_len})")
+            header_start = size - TRAILER.size - header_len
+            f.seek(header_start)
+            header = f.read(header_len)
+            if hashlib.sha256(header).digest() != digest:
+                raise PairedCacheError(f"{self.path}: header checksum mismatch")
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            meta = json.loads(header)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PairedCacheError(f"{self.path}: header is not JSON ({exc})") from None
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            raise PairedCacheError(
+                f"{self.path}: format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}"
+                f", expected {FORMAT_VERSION}"
+            )
+        if meta.get("dtype") not in DTYPES:
+            raise PairedCacheError(
+                f"{self.path}: dtype {meta.get('dtype')!r}; expected one of {sorted(DTYPES)}"
+            )
+        self.dtype = DTYPES[meta["dtype"]]
+        raw_layers = meta.get("layers")
+        if not isinstance(raw_layers, list) or not raw_layers:
+            raise PairedCacheError(f"{self.path}: header has no layers")
+        self.layers: list[PoolLayer] = []
+        for raw in raw_layers:
+            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+                raise PairedCacheError(f"{self.path}: layer entry {raw!r:.80} has no name")
+            if not isinstance(raw.get("sha256"), str) or len(raw["sha256"]) != 64:
+                raise PairedCacheError(f"{self.path}: layer {raw['name']} has no sha256")
+            n = _field(raw, "n_rows", 1, MAX_DIM)
+            g = _field(raw, "gate_cols", 0, MAX_DIM)
+            u = _field(raw, "up_cols", 1, MAX_DIM)
+            h = _field(raw, "hidden", 1, MAX_DIM)
+            stride = row_stride(g, u, h, self.dtype.itemsize)
+            if raw.get("row_bytes") != stride:
+                raise PairedCacheError(
+                    f"{self.path}: layer {raw['name']} row_bytes={raw.get('row_bytes')!r}, "
+                    f"the C core's stride is {stride}"
+                )
+            offset = _field(raw, "offset", len(MAGIC), header_start)
+            if offset % PAGE or offset + n * stride > header_start:
+                raise PairedCacheError(
+                    f"{self.path}: layer {raw['name']} at offset {offset} ({n} x {stride} bytes)"
+                    f" is not page-aligned or runs past the pools' end ({header_start})"
+                )
+            self.layers.append(PoolLayer(raw["name"], n, g, u, h, stride, offset, raw["sha256"]))
+        self._by_name = {layer.name: i for i, layer in enumerate(self.layers)}
+
+    def index(self, name: str) -> int:
+        if name not in self._by_name:
+            raise PairedCacheError(f"{self.path} has no layer {name!r}; it has {len(self.layers)}")
+        return self._by_name[name]
+
+    def resolve(self, layer: int | str) -> int:
+        """The index of layer, given by name or as an int in [0, len(layers))."""
+        if isinstance(layer, str):
+            return self.index(layer)
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int)
+            or not 0 <= layer < len(self.layers)
+        ):
+            raise PairedCacheError(
+                f"layer must be a name or an int in [0, {len(self.layers)}), got {layer!r}"
+            )
+        return layer
+
+    def layer_buffer(self, i: int) -> memoryview:
+        """The read-only bytes of layer i's pool, a slice of the mapping (no copy)."""
+        layer = self.layers[i]
+        return memoryview(self._mmap)[layer.offset : layer.offset + layer.nbytes]
+
+    def verify(self) -> None:
+        """Hash every pool (reads the whole file); PairedCacheError naming a damaged one."""
+        for i, layer in enumerate(self.layers):
+            if hashlib.sha256(self.layer_buffer(i)).hexdigest() != layer.sha256:
+                raise PairedCacheError(f"{self.path}: layer {layer.name} pool checksum mismatch")
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+def mapping_rss(path: str | os.PathLike) -> dict[str, int]:
+    """Resident bytes of this process's mappings of path, from /proc/self/smaps (Linux):
+    {"rss": ..., "anonymous": ...}; a read-only file mapping has anonymous == 0."""
+    target = str(Path(path).resolve())
+    totals = {"rss": 0, "anonymous": 0}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[5] == target
+            elif inside and fields[0] in ("Rss:", "Anonymous:"):
+                totals[fields[0][:-1].lower()] += int(fields[1]) * 1024
+    return totals
+
+
+def process_rss() -> dict[str, int]:
+    """This process's resident anonymous and file-backed bytes (/proc/self/status, Linux)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PoolFile",
+    "PoolLayer",
+    "mapping_rss",
+    "process_rss",
+    "row_stride",
+    "write_pool_file",
+]

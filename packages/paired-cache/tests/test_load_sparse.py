@@ -1,0 +1,153 @@
+"""convert and load_sparse on the real SmolLM2-135M: the model runs from its files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paired_cache import SparseMLP
+from paired_cache.cli import main
+from paired_cache.model_io import load_sparse
+from paired_cache.pool_file import PoolFile, mapping_rss
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from membound_testing import smollm2_float_dir
+
+    return smollm2_float_dir()
+
+
+@pytest.fixture(scope="module")
+def pool_path(model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("pool") / "smollm2.pcpool"
+    assert main(["convert", str(model_dir), str(path), "--quiet"]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def france(smollm2):
+    from membound_testing import chat_prompt
+
+    tokenizer = smollm2[1]
+    ids = tokenizer(chat_prompt(tokenizer, "What is the capital of France?"), return_tensors="pt")
+    return ids.input_ids
+
+
+def _file_ranges(*paths) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of the given files (/proc/self/maps)."""
+    names = {str(p.resolve()) for p in paths}
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] in names:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+def test_convert_writes_every_mlp_as_the_model_holds_it(smollm2, pool_path):
+    model = smollm2[0]
+    pool = PoolFile(pool_path)
+    assert [layer.name for layer in pool.layers] == [f"model.layers.{i}.mlp" for i in range(30)]
+    pool.verify()
+    from paired_cache import PairedCache
+
+    cache = PairedCache.from_pool_file(pool, "model.layers.7.mlp", capacity=1)
+    mlp = model.model.layers[7].mlp
+    assert torch.equal(cache.gate_pool, mlp.gate_proj.weight)
+    assert torch.equal(cache.up_pool, mlp.up_proj.weight)
+    assert torch.equal(cache.down_pool_T, mlp.down_proj.weight.t())
+
+
+def test_convert_reads_a_gguf_as_transformers_dequantises_it(smollm2, tmp_path):
+    from membound_testing import smollm2_gguf_path
+    from paired_cache import PairedCache
+
+    path = tmp_path / "gguf.pcpool"
+    assert main(["convert", str(smollm2_gguf_path()), str(path), "--quiet"]) == 0
+    pool = PoolFile(path)
+    assert pool.dtype == torch.float32 and len(pool.layers) == 30
+    pool.verify()
+    # The embedded float32 SmolLM2 is this GGUF dequantised by transformers: the same rows.
+    cache = PairedCache.from_pool_file(pool, "model.layers.29.mlp", capacity=1)
+    mlp = smollm2[0].model.layers[29].mlp
+    assert torch.equal(cache.gate_pool, mlp.gate_proj.weight)
+    assert torch.equal(cache.up_pool, mlp.up_proj.weight)
+    assert torch.equal(cache.down_pool_T, mlp.down_proj.weight.t())
+
+
+def test_convert_refuses_a_missing_source_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "x.pcpool"
+    assert main(["convert", str(tmp_path / "missing"), str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_fraction_matches_dense(smollm2, model_dir, pool_path, france):
+    model = load_sparse(model_dir, pool_path, "cats", 1.0)
+    ids = france[:, :12]
+    with torch.no_grad():
+        dense = smollm2[0](ids).logits
+        got = model(ids).logits
+    # Every row active, one (1, hidden) GEMM per token instead of one per prompt: float32
+    # rounding apart, the same model.
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+    assert (got - dense).abs().max().item() < 1e-3
+
+
+def test_load_sparse_answers_from_mapped_files(smollm2, model_dir, pool_path, france):
+    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(isinstance(m, SparseMLP) and m.cache.pool_is_mapped for m in mlps)
+    # No dense MLP weight exists, and every parameter is a view of a mapped file.
+    ranges = _file_ranges(pool_path, *model_dir.glob("*.safetensors"))
+    for name, param in model.named_parameters():
+        ptr = param.data_ptr()
+        assert any(lo <= ptr < hi for lo, hi in ranges), f"{name} is not file-backed"
+    with torch.no_grad():
+        out = model.generate(france, max_new_tokens=7, do_sample=False)
+    answer = smollm2[1].decode(out[0, france.shape[1] :])
+    assert "Paris" in answer, answer
+    rss = mapping_rss(pool_path)
+    assert rss["anonymous"] == 0 and rss["rss"] > 0
+    # What was read from the pool is counted: every update copies rows of 6912 bytes.
+    assert all(m.pool_bytes_read % 6912 == 0 and m.pool_bytes_read > 0 for m in mlps)
+
+
+def test_load_sparse_refuses_a_pool_of_another_model(model_dir, tmp_path):
+    from paired_cache.pool_file import write_pool_file
+
+    path = tmp_path / "other.pcpool"
+    gate = torch.zeros(4, 576)
+    write_pool_file(path, [("model.layers.0.mlp", gate, gate, torch.zeros(576, 4))])
+    with pytest.raises(ValueError, match=r"holds layers"):
+        load_sparse(model_dir, path, "cats", 0.5)
+
+
+def test_trained_predictor_file_drives_load_sparse(model_dir, pool_path, france, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text("The river rises in the hills and runs to the sea past farms and mills. " * 4)
+    out = tmp_path / "predictor.safetensors"
+    args = ["fit-predictor", str(model_dir), str(text), str(out), "--rank", "8", "--steps", "2"]
+    assert main([*args, "--quiet"]) == 0
+    model = load_sparse(model_dir, pool_path, "trained", 0.25, predictor=out)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(m.source.proj_in.shape == (576, 8) for m in mlps)
+    with torch.no_grad():
+        model(france[:, :4])
+    assert all(m.cache.num_active == 384 and m.tokens == 4 for m in mlps)
+    with pytest.raises(ValueError, match=r"not a paired-cache predictor file|cannot read"):
+        load_sparse(model_dir, pool_path, "trained", 0.25, predictor=text)
+
+
+def test_fit_predictor_refuses_an_unreadable_text_and_writes_nothing(model_dir, tmp_path, capsys):
+    out = tmp_path / "p.safetensors"
+    assert main(["fit-predictor", str(model_dir), str(tmp_path / "missing.txt"), str(out)]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00text")
+    assert main(["fit-predictor", str(model_dir), str(binary), str(out)]) == 2
+    assert "utf-8" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt"]
