@@ -4,6 +4,7 @@ stock mlx-lm model loaded from the same checkpoint."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -12,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
 from moe_expert_cache import CacheConfig, generate, load_cached_model
-from moe_expert_cache.moefy import BUILD_RECORD, MoefyConfig, moefy
+from moe_expert_cache.moefy import BUILD_RECORD, MoefyConfig, load_dense, moefy
 
 QUESTION = "What is the capital of France?"
 NEW_TOKENS = 12
@@ -55,6 +56,26 @@ def test_the_checkpoint_is_a_mixtral_with_the_dense_models_attention(real_moe):
     record = json.loads((real_moe / BUILD_RECORD).read_text())
     # The fitted routers find most of the experts that carry the activation mass.
     assert min(layer["router_recall"] for layer in record["layers"]) > 0.5
+
+
+def test_all_experts_with_equal_weights_are_the_dense_model(real_moe):
+    """The experts partition the dense MLP's neurons, each once: routed to all 16 with equal
+    weights (a zero router, so the softmax gives 1/16 each), the MoE is the dense model."""
+    record = json.loads((real_moe / BUILD_RECORD).read_text())
+    dense = load_dense(Path(record["source"]))
+    moe, _ = load_model(real_moe)
+    for layer in moe.model.layers:
+        block = layer.block_sparse_moe
+        block.gate.weight = mx.zeros_like(block.gate.weight)
+        down = block.switch_mlp.down_proj
+        # The checkpoint's down_proj carries its top-k for a softmax of 1/top-k each.
+        down.weight = down.weight * (block.num_experts / block.num_experts_per_tok)
+        block.num_experts_per_tok = block.num_experts
+    ids = mx.array(chat_ids(real_moe))[None]
+    want = np.array(dense(ids)[0].astype(mx.float32))  # (T, vocab)
+    got = np.array(moe(ids)[0].astype(mx.float32))
+    assert np.abs(got - want).max() <= 1e-3, np.abs(got - want).max()
+    assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()
 
 
 @pytest.mark.parametrize("capacity", [0.5, 1.0])
