@@ -6,11 +6,15 @@ import sys
 
 import decode_bench
 import fuzz
+import moefy_quality
+import real_traces
 import simulator_bench
 
 
 def main() -> None:
     quick = "--quick" in sys.argv[1:]
+    moefy_quality.run(quick)
+    real_traces.run(quick)
     simulator_bench.run(quick)
     decode_bench.run(quick)
     fuzz.run(100 if quick else 2000, quick=quick)

@@ -65,3 +65,13 @@ def stock_run(model_dir):
         return runs[arch, bits]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def real_moe():
+    """The MoEfied SmolLM2-135M (moe_expert_cache.moefy), built once under membound's cache
+    directory; the first session builds it (minutes), later ones find it."""
+    from membound_testing.models import cache_dir, smollm2_float_dir
+    from moe_expert_cache.moefy import moefy_cached
+
+    return moefy_cached(smollm2_float_dir(), cache_dir(), progress=False)

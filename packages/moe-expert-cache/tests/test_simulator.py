@@ -107,3 +107,13 @@ def test_profiles():
     assert adaptive_capacity(narrow, 8) == [2, 6]
     with pytest.raises(ValueError, match="total"):
         adaptive_capacity(trace, 3)
+
+
+def test_lcp_constants_reach_the_replayed_policy():
+    trace = synthetic_trace(2, 8, 2, 200, seed=3)
+    default = simulate(trace, [4], ["lcp"])
+    assert simulate(trace, [4], ["lcp"], lcp=(0.25, 128.0)) == default
+    others = [simulate(trace, [4], ["lcp"], lcp=c)[0].hits for c in ((0.01, 1.0), (0.99, 1e4))]
+    assert len({default[0].hits, *others}) > 1  # the constants change the evictions
+    with pytest.raises(ValueError, match="decay"):
+        simulate(trace, [4], ["lcp"], lcp=(1.5, 8.0))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_expert_cache.errors import ExpertCacheError
-from moe_expert_cache.policies import POLICIES, make_policy
+from moe_expert_cache.policies import POLICIES, LCPPolicy, make_policy
 from moe_expert_cache.slots import ExpertSlots
 from moe_expert_cache.trace import RouterTrace
 
@@ -43,18 +43,25 @@ class BeladyOracle:
 
 
 def replay_layer(
-    requests: np.ndarray, num_experts: int, capacity: int, policy: str, pinned=()
+    requests: np.ndarray,
+    num_experts: int,
+    capacity: int,
+    policy: str,
+    pinned=(),
+    lcp: tuple[float, float] | None = None,
 ) -> int:
-    """Hits of one layer's ``requests`` (tokens, top_k) at ``capacity`` under ``policy``."""
+    """Hits of one layer's ``requests`` (tokens, top_k) at ``capacity`` under ``policy``;
+    ``lcp``: LCP's ``(decay, horizon)`` where not the defaults."""
     if policy not in SIMULATED:
         raise ExpertCacheError(f"policy must be one of {SIMULATED}, got {policy!r}")
     top_k = requests.shape[1]
     slots = ExpertSlots(num_experts, capacity, top_k, pinned)
-    chooser = (
-        BeladyOracle(requests, num_experts)
-        if policy == "belady"
-        else make_policy(policy, num_experts)
-    )
+    if policy == "belady":
+        chooser = BeladyOracle(requests, num_experts)
+    elif policy == "lcp" and lcp is not None:
+        chooser = LCPPolicy(num_experts, *lcp)
+    else:
+        chooser = make_policy(policy, num_experts)
     hits = 0
     for t, row in enumerate(requests.tolist()):
         hits += sum(slots.is_resident(e) for e in row)
@@ -76,10 +83,13 @@ class SimulationRow:
 
 
 def simulate(
-    trace: RouterTrace, capacities: Sequence[float | int], policies: Sequence[str] = SIMULATED
+    trace: RouterTrace,
+    capacities: Sequence[float | int],
+    policies: Sequence[str] = SIMULATED,
+    lcp: tuple[float, float] | None = None,
 ) -> list[SimulationRow]:
     """Hit rates of ``trace`` for every policy and capacity (a share in (0, 1] or a count),
-    summed over layers."""
+    summed over layers; ``lcp``: LCP's ``(decay, horizon)`` where not the defaults."""
     out = []
     layers = [trace.layer_requests(i) for i in range(trace.num_layers)]
     for cap in capacities:
@@ -90,7 +100,7 @@ def simulate(
                 f"and num_experts={trace.num_experts}"
             )
         for policy in policies:
-            hits = sum(replay_layer(r, trace.num_experts, count, policy) for r in layers)
+            hits = sum(replay_layer(r, trace.num_experts, count, policy, lcp=lcp) for r in layers)
             out.append(SimulationRow(policy, count, hits, sum(r.size for r in layers)))
     return out
 

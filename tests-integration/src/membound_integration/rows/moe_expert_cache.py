@@ -1,65 +1,61 @@
-"""moe-expert-cache: a random Qwen3-MoE (mlx-lm) with half of its experts resident.
+"""moe-expert-cache: SmolLM2-135M MoEfied into 16 experts per layer (a real-weights Mixtral
+built by moe_expert_cache.moefy), with half of its experts resident, exact mode.
 
-The checkpoint is written once by the preparation step (``python -m
-membound_integration.prepare``) under ``$MEMBOUND_CACHE``; the row only reads it.
+The checkpoint is built once by the preparation step (``python -m
+membound_integration.prepare``) under ``$MEMBOUND_CACHE``; the row only finds it.
 """
 
 from pathlib import Path
 
-from membound_integration.row import Row
+from membound_integration.row import ANSWER, QUESTION, Row, storage_read_bytes
 
-PROMPT_IDS = [3, 17, 42, 99, 7, 250, 31, 64]
+NEW_TOKENS = 24
 
 
 def moe_checkpoint() -> Path:
-    """The random MoE checkpoint (seeded, so the same on every machine), written once."""
-    import shutil
-    import tempfile
+    """The MoE checkpoint, keyed by the package version and everything the build reads."""
+    from membound_testing.models import cache_dir, smollm2_float_dir
+    from moe_expert_cache.moefy import moefy_cached
 
-    import moe_expert_cache
-    from membound_testing.models import cache_dir
-    from moe_expert_cache import random_moe_config, write_random_moe
-
-    path = cache_dir() / f"random-qwen3-moe-4bit-{moe_expert_cache.__version__}"
-    if (path / "config.json").is_file():
-        return path
-    config = random_moe_config(
-        "qwen3_moe", hidden_size=256, num_layers=4, num_experts=16, top_k=2, expert_size=256
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
-        write_random_moe(tmp, config, bits=4, shards=2)
-        tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return moefy_cached(smollm2_float_dir(), cache_dir())
 
 
 def moe_expert_cache_row() -> Row:
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model, load_tokenizer
 
     from moe_expert_cache import CacheConfig, generate, load_cached_model
 
     path = moe_checkpoint()
+    tokenizer = load_tokenizer(path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
+    )
     cached = load_cached_model(path, CacheConfig(capacity=0.5, mode="exact"))
-    result = generate(cached.model, PROMPT_IDS, 24, cached.manager)
+    read = storage_read_bytes()
+    result = generate(cached.model, prompt, NEW_TOKENS, cached.manager)
+    read = storage_read_bytes() - read
     manager = cached.manager
     total = manager.total_metrics()
+    resident, unbounded = manager.resident_expert_bytes(), manager.all_expert_bytes()
     cached.store.close()
-    stock = generate(load_model(path)[0], PROMPT_IDS, 24).tokens
+    del cached
+    stock = generate(load_model(path)[0], prompt, NEW_TOKENS).tokens
+    text = tokenizer.decode(result.tokens, skip_special_tokens=True).strip()
+    same = stock == result.tokens
     return Row(
-        name="random Qwen3-MoE 4-bit (mlx-lm), 50% of experts resident, exact mode",
+        name="SmolLM2-135M MoEfied (Mixtral, 16 experts x 96, top-4), 50% of experts resident, exact",
         output=(
-            f"tokens {' '.join(map(str, result.tokens))}; hit rate {total.hit_rate:.3f} "
-            f"({total.hits}/{total.requests}), {total.swaps} swaps; "
-            f"same tokens as the fully resident model: {stock == result.tokens}"
+            f"{text!r}; hit rate {total.hit_rate:.3f} ({total.hits}/{total.requests}), "
+            f"{total.swaps} swaps; same tokens as stock mlx-lm: {same}; "
+            f"{ANSWER!r} in answer: {ANSWER in text}"
         ),
         tokens_per_s=result.tokens_per_s,
-        correct=stock == result.tokens,
+        correct=same,
         component="MoE expert weights",
-        resident_bytes=manager.resident_expert_bytes(),
-        unbounded_bytes=manager.all_expert_bytes(),
+        resident_bytes=resident,
+        unbounded_bytes=unbounded,
+        new_tokens=len(result.tokens),
+        decode_read_bytes=read,
     )
 
 

@@ -1,0 +1,56 @@
+"""Calibration text for :func:`moe_expert_cache.moefy.moefy`: English prose (the two
+passages membound wrote for paired-cache's quality benchmark) and this package's own
+source code, so that the experts are clustered on both kinds of text. The benchmarks'
+held-out texts share nothing with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROSE = (
+    "The river rises in the hills to the north and runs for two hundred miles before it "
+    "reaches the sea. For most of its course it is slow and wide, and in summer children "
+    "swim in the shallow bends while their parents fish from the banks. The old mill at "
+    "the first bridge still turns, though it has ground no flour for fifty years; a "
+    "museum now keeps its stones and its ledgers, which record every sack that came "
+    "through the door. Farther down, the valley opens into farmland. Wheat and barley "
+    "grow on the higher fields, and the lower meadows flood each spring, leaving a layer "
+    "of silt that makes the soil rich. The town at the mouth of the river grew up around "
+    "its harbour. Ships once carried wool and timber from its quays to ports across the "
+    "channel, and the merchants who grew wealthy from that trade built the tall stone "
+    "houses that line the market square. Today the harbour holds fishing boats and small "
+    "yachts, and the warehouses have become shops, cafes and flats. Visitors come in the "
+    "summer to walk the coastal path, to eat fish that was landed the same morning, and "
+    "to watch the tide race through the narrow entrance of the bay. In winter the town is"
+    " quiet. Storms drive the boats into shelter, and the streets belong to the people "
+    "who live there all year round. The school teaches the history of the river to every "
+    "child, and most of them can name the villages along its banks in order, from the "
+    "spring to the sea."
+    "\n\n"
+    "A computer stores numbers in binary, as strings of ones and zeros. Each digit is "
+    "called a bit, and eight bits make a byte. A program is a list of instructions that "
+    "the processor follows one after another: it loads numbers from memory, adds or "
+    "compares them, and writes the results back. Because the processor is much faster "
+    "than the main memory, modern machines keep small, fast caches close to the "
+    "processor. When a program reads the same data again soon, or reads data stored next "
+    "to what it read before, the cache can answer quickly and the processor does not have"
+    " to wait. Programmers who care about speed therefore arrange their data so that it "
+    "is read in order, and they avoid jumping around in large tables. The same idea "
+    "applies to disks and networks: moving data is often more expensive than computing "
+    "with it. Large language models are a striking example. To produce each word, such a "
+    "model reads all of its weights from memory, yet it performs only a few arithmetic "
+    "operations on each number it reads. On a laptop or a phone, the time to generate "
+    "text is set mostly by how fast memory can be read, not by how fast the processor can"
+    " multiply. This is why researchers look for ways to skip the parts of the model that"
+    " matter least for the current word, so that less memory has to be read while the "
+    "answer stays the same."
+)
+
+# Modules of this package read as code text; the benchmarks hold out simulator.py and trace.py.
+CODE_MODULES = ("policies.py", "slots.py")
+
+
+def calibration_text() -> str:
+    """The prose, then each module's source."""
+    here = Path(__file__).parent
+    return "\n\n".join([PROSE] + [(here / m).read_text() for m in CODE_MODULES])
