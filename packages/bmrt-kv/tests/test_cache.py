@@ -50,15 +50,14 @@ def test_budget_at_least_length_equals_full_cache(
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_generate_with_a_large_budget_matches_dynamic_cache(tiny_models, family):
-    """The reference is the same chunked generate over a DynamicCache: on transformers
-    < 5.3, chunked-prefill generate of Qwen2/Qwen3 differs from unchunked generate even
-    with transformers' own DynamicCache, so only the same call path is comparable."""
+    """Chunked-prefill generate through a cache that never compresses gives the tokens of
+    unchunked generate over transformers' DynamicCache. (On transformers 5.2, chunked
+    generate over a DynamicCache itself differs: it passes wrong position ids to every
+    chunk but the last, which a BMRTCache corrects.)"""
     model = tiny_models[family]
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    reference = model.generate(
-        ids, past_key_values=DynamicCache(config=model.config), prefill_chunk_size=8, **kwargs
-    )
+    reference = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
     cache = BMRTCache(model, BMRTConfig(budget=64, protection_divisor=4, block_size=8))
     got = model.generate(ids, past_key_values=cache, prefill_chunk_size=8, **kwargs)
     assert torch.equal(got, reference)
