@@ -244,8 +244,9 @@ def test_memory_limit_sizes_the_pinned_set_from_what_the_process_has_left():
     assert all_fit.pinned == frozenset(compressed_layers(model))
     _, _, some = budget_model(memory_limit=anonymous_rss() + (64 << 20) + 2 * SLAB + (64 << 20))
     # Left after RssAnon, 2 slabs of window and 64 MiB of headroom: 64 MiB, less what
-    # RssAnon grew by between the two reads.
-    assert (32 << 20) < some.budget_bytes <= 64 << 20
+    # RssAnon grew by between the two reads, or plus what it shrank by (glibc hands freed
+    # pages back: 8 KiB was seen in CI), which stays far below 4 MiB.
+    assert (32 << 20) < some.budget_bytes <= (64 << 20) + (4 << 20)
 
 
 def test_choose_pinned_keeps_the_costliest_bytes():
