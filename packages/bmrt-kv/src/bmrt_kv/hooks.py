@@ -113,7 +113,8 @@ def _positions_hook(cache_ref: weakref.ref):
     """
 
     def positions_hook(decoder, args, kwargs):
-        if kwargs.get("past_key_values") is not cache_ref() or cache_ref() is None:
+        cache = cache_ref()
+        if cache is None or kwargs.get("past_key_values") is not cache:
             return None
         positions, cache_positions = kwargs.get("position_ids"), kwargs.get("cache_position")
         if positions is None or cache_positions is None or positions.ndim != 2:
