@@ -76,3 +76,23 @@ def test_run_reads_the_shipped_gguf(tmp_path, capsys):
     )
     assert code == 0
     assert "Tuesday" in capsys.readouterr().out
+
+
+def test_eval_output_gets_the_umask_and_no_temporary_is_left(tmp_path):
+    import os
+
+    from bmrt_kv.cli import _write_json
+
+    old = os.umask(0o027)
+    try:
+        _write_json(tmp_path / "rows.json", [{"a": 1}])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "rows.json").stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]
+
+
+def test_the_wheel_ships_py_typed():
+    from importlib.resources import files
+
+    assert files("bmrt_kv").joinpath("py.typed").is_file()

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bmrt_kv import SELECTORS, TIE_BREAKERS, Pool, make_selector
+from bmrt_kv import SELECTORS, TIE_BREAKERS, BMRTError, Pool, make_selector
 from bmrt_kv.selectors.simhash import SimHash, collision_counts
 from bmrt_kv.selectors.tiebreak import tiebreak_bonus
 
@@ -228,3 +229,47 @@ def test_simhash_projects_even_when_head_dim_equals_the_code_width():
     expected = (bits * 2 ** torch.arange(4)).sum(-1)
     assert torch.equal(hash_.codes(x), expected)
     assert torch.equal(hash_.codes_from_signs(hash_.signs(x)), expected)
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_options_are_validated_dataclass_fields(name):
+    cls = SELECTORS[name]
+    assert dataclasses.is_dataclass(cls)
+    options = [f.name for f in dataclasses.fields(cls) if f.name != "seed"]
+    selector = make_selector(name, {}, seed=3)
+    assert selector.seed == 3
+    for option in options:  # every option is visible on the instance and in its repr
+        assert f"{option}=" in repr(selector)
+    with pytest.raises(BMRTError, match=f"the seed of selector {name!r}"):
+        cls(seed=-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "bad"),
+    [
+        ("exact", "kernel", 2),
+        ("snapkv", "window", 0),
+        ("lsh", "bits", 17),
+        ("lsh", "tie_breaker", "x"),
+        ("magicpig", "tables", 256),
+        ("hybrid", "ratio", 1.5),
+        ("hybrid", "primary", "hybrid"),
+    ],
+)
+def test_a_bad_option_is_refused_at_construction_naming_it(name, option, bad):
+    with pytest.raises(BMRTError, match=f"selector {name!r} option {option!r}"):
+        SELECTORS[name](**{option: bad})
+
+
+@pytest.mark.parametrize(
+    ("name", "arxiv"),
+    [
+        ("snapkv", "2404.14469"),
+        ("keydiff", "2504.15364"),
+        ("h2o", "2306.14048"),
+        ("streaming", "2309.17453"),
+        ("magicpig", "2410.16179"),
+    ],
+)
+def test_each_published_selector_links_its_paper(name, arxiv):
+    assert f"https://arxiv.org/abs/{arxiv}" in SELECTORS[name].__doc__

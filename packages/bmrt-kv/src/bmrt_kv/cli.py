@@ -191,10 +191,19 @@ def cmd_eval(args) -> int:
 
 
 def _write_json(path: Path, data) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=1)
-    os.replace(tmp, path)
+    """Write ``data`` as JSON through a temporary file and a rename, so a killed run
+    leaves no half-written file; the file gets the process's umask, not mkstemp's 0600."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,11 +30,7 @@ class BMRTLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, config: BMRTConfig, selector: Selector, inv_freq: torch.Tensor | None):
-        super().__init__()
-        # Set here, not left to the base class: transformers 4.56's mixin sets neither.
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.is_initialized = False
+        super().__init__()  # keys, values = None; is_initialized = False
         self.config = config
         self.selector = selector
         self.inv_freq = inv_freq
@@ -165,7 +161,7 @@ class BMRTLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         """(kv_length, kv_offset): the S cached tokens map to positions [seen - S, seen),
         all before the queries, so the causal mask shows all of them and masks the block
-        causally. Accepts an int (transformers >= 5) or a cache_position tensor (4.x)."""
+        causally. Accepts an int (transformers >= 5.3) or a cache_position tensor (5.2)."""
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.stored + query_length, self.seen - self.stored

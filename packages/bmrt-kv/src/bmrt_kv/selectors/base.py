@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -43,20 +44,30 @@ class Pool:
     query_weights: torch.Tensor | None = None
 
 
+@dataclass(eq=False)
 class Selector(ABC):
     """Ranks candidates; :meth:`select` returns exactly ``k`` distinct candidate indices.
 
     Subclasses implement :meth:`score` (higher is more relevant). Ties keep pool order
     (older first) because the ranking uses a stable sort, so selection is deterministic.
+
+    A selector's options are dataclass fields, checked in ``__post_init__`` (as kvpress's
+    presses are): a bad value raises :class:`~bmrt_kv.BMRTError` naming the selector and
+    the option when the config is built, never mid-stream. ``seed`` seeds its random
+    projections; :class:`~bmrt_kv.BMRTConfig` sets it per layer.
     """
 
-    #: True when the selector needs ``Pool.accumulated`` kept up to date across steps.
-    stateful = False
-    #: The name it is registered under in :data:`bmrt_kv.SELECTORS` (used in errors).
-    name = "selector"
+    seed: int = 0
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = check_int(f"the seed of selector {self.name!r}", seed, 0, MAX_SELECTOR_SEED)
+    #: True when the selector needs ``Pool.accumulated`` kept up to date across steps.
+    stateful: ClassVar[bool] = False
+    #: The name it is registered under in :data:`bmrt_kv.SELECTORS` (used in errors).
+    name: ClassVar[str] = "selector"
+
+    def __post_init__(self) -> None:
+        self.seed = check_int(
+            f"the seed of selector {self.name!r}", self.seed, 0, MAX_SELECTOR_SEED
+        )
 
     def option(self, option: str, value, low: int, high: int, odd: bool = False) -> int:
         """Check an int option of this selector; errors name the selector and the option."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from bmrt_kv.selectors.attention import MAX_KERNEL, attention_mass, max_pool_over_time
 from bmrt_kv.selectors.base import Pool, Selector
 
 
+@dataclass(eq=False)
 class ExactSelector(Selector):
     """The quality upper bound: the attention mass each candidate receives from the block.
 
@@ -17,11 +21,12 @@ class ExactSelector(Selector):
             around a hit too, so a number split into one token per digit is kept whole.
     """
 
-    name = "exact"
+    name: ClassVar[str] = "exact"
+    kernel: int = 1
 
-    def __init__(self, seed: int = 0, kernel: int = 1) -> None:
-        super().__init__(seed)
-        self.kernel = self.option("kernel", kernel, 1, MAX_KERNEL, odd=True)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.kernel = self.option("kernel", self.kernel, 1, MAX_KERNEL, odd=True)
 
     def score(self, pool: Pool) -> torch.Tensor:
         return max_pool_over_time(attention_mass(pool), self.kernel).to(torch.float64)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from bmrt_kv.errors import BMRTError, check_choice, check_fraction
 from bmrt_kv.selectors.base import Pool, Selector
 
 
+@dataclass(eq=False)
 class HybridSelector(Selector):
     """Primary picks round(ratio * k) tokens; secondary picks the rest from what remains.
 
@@ -18,25 +22,22 @@ class HybridSelector(Selector):
         primary_options / secondary_options: their constructor keywords (a dict or None).
     """
 
-    name = "hybrid"
+    name: ClassVar[str] = "hybrid"
+    primary: str = "exact"
+    secondary: str = "lsh"
+    ratio: float = 0.5
+    primary_options: dict | None = None
+    secondary_options: dict | None = None
 
-    def __init__(
-        self,
-        seed: int = 0,
-        primary: str = "exact",
-        secondary: str = "lsh",
-        ratio: float = 0.5,
-        primary_options: dict | None = None,
-        secondary_options: dict | None = None,
-    ) -> None:
+    def __post_init__(self) -> None:
         from bmrt_kv.selectors import SELECTORS, make_selector
 
-        super().__init__(seed)
-        self.ratio = check_fraction(f"selector {self.name!r} option 'ratio'", ratio, False)
+        super().__post_init__()
+        self.ratio = check_fraction(f"selector {self.name!r} option 'ratio'", self.ratio, False)
         stages = []
         for stage, name, options, stage_seed in (
-            ("primary", primary, primary_options, seed),
-            ("secondary", secondary, secondary_options, seed + 1),
+            ("primary", self.primary, self.primary_options, self.seed),
+            ("secondary", self.secondary, self.secondary_options, self.seed + 1),
         ):
             where = f"selector {self.name!r} option {stage!r}"
             check_choice(where, name, set(SELECTORS) - {"hybrid"})
@@ -49,21 +50,22 @@ class HybridSelector(Selector):
                 stages.append(make_selector(name, options, stage_seed))
             except BMRTError as err:
                 raise BMRTError(f"selector {self.name!r} option '{stage}_options': {err}") from err
-        self.primary, self.secondary = stages
-        self.stateful = self.primary.stateful or self.secondary.stateful
+        #: The two built stages (``primary`` / ``secondary`` stay the names given).
+        self.stages: tuple[Selector, Selector] = (stages[0], stages[1])
+        self.stateful = stages[0].stateful or stages[1].stateful
 
     def score(self, pool: Pool) -> torch.Tensor:
         """The primary's scores (used only where a caller wants a single ranking)."""
-        return self.primary.score(pool)
+        return self.stages[0].score(pool)
 
     def select(
         self, pool: Pool, k: int, shared: bool = False, exclude: torch.Tensor | None = None
     ) -> torch.Tensor:
         k_primary = round(self.ratio * k)
-        first = self.primary.select(pool, k_primary, shared, exclude)
+        first = self.stages[0].select(pool, k_primary, shared, exclude)
         taken = torch.zeros_like(pool.candidates)
         taken.scatter_(-1, first, True)
         if exclude is not None:
             taken |= exclude
-        second = self.secondary.select(pool, k - k_primary, shared, taken)
+        second = self.stages[1].select(pool, k - k_primary, shared, taken)
         return torch.cat([first, second], dim=-1)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from bmrt_kv.selectors.base import Pool, Selector
 
 
+@dataclass(eq=False)
 class KeyDiffSelector(Selector):
     """Scores a candidate by minus the cosine similarity of its key to the mean candidate key
     of its head (KeyDiff, Park et al. 2025).
@@ -14,9 +18,12 @@ class KeyDiffSelector(Selector):
     Repetitive context (boilerplate, filler, logs) yields keys close to the mean; rare
     content stands out and is kept. It ignores the queries, so it is query-agnostic
     whatever the scoring mode, and it is cheap: one mean and one cosine per token.
+
+    Paper: Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context
+    LLM Inference in Resource-Constrained Environments", https://arxiv.org/abs/2504.15364
     """
 
-    name = "keydiff"
+    name: ClassVar[str] = "keydiff"
 
     def score(self, pool: Pool) -> torch.Tensor:
         keys = torch.nn.functional.normalize(pool.keys.to(torch.float32), dim=-1)  # (b,h,P,hd)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from bmrt_kv.errors import check_choice
@@ -14,6 +17,7 @@ from bmrt_kv.selectors.tiebreak import TIE_BREAKERS, tiebreak_bonus
 MAX_TABLES = 1024
 
 
+@dataclass(eq=False)
 class LSHSelector(Selector):
     """Ranks by collision count over L tables, ties broken by ``tie_breaker``.
 
@@ -23,17 +27,18 @@ class LSHSelector(Selector):
         tie_breaker: one of :data:`bmrt_kv.selectors.tiebreak.TIE_BREAKERS`.
     """
 
-    name = "lsh"
+    name: ClassVar[str] = "lsh"
+    tables: int = 16
+    bits: int = 6
+    tie_breaker: str = "l2"
 
-    def __init__(
-        self, seed: int = 0, tables: int = 16, bits: int = 6, tie_breaker: str = "l2"
-    ) -> None:
-        super().__init__(seed)
-        tables = self.option("tables", tables, 1, MAX_TABLES)
-        bits = self.option("bits", bits, 1, MAX_BITS)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.tables = self.option("tables", self.tables, 1, MAX_TABLES)
+        self.bits = self.option("bits", self.bits, 1, MAX_BITS)
         where = f"selector {self.name!r} option 'tie_breaker'"
-        self.tie_breaker = check_choice(where, tie_breaker, TIE_BREAKERS)
-        self.hash = SimHash(tables, bits, seed)
+        self.tie_breaker = check_choice(where, self.tie_breaker, TIE_BREAKERS)
+        self.hash = SimHash(self.tables, self.bits, self.seed)
 
     def score(self, pool: Pool) -> torch.Tensor:
         query_codes = self.hash.codes(pool.queries)  # (b, h, Q, L)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from bmrt_kv.selectors.base import Pool, Selector
@@ -13,6 +16,7 @@ MAX_TABLES = 255
 QUERY_CHUNK = 16
 
 
+@dataclass(eq=False)
 class MagicPIGSelector(Selector):
     """Score = sum over queries of the probability that MagicPIG's LSH sampler retrieves
     the candidate: with p = 1 - D(q, k) / (L*K) (D the Hamming distance),
@@ -21,17 +25,23 @@ class MagicPIGSelector(Selector):
     Only candidates that do collide with some query in >= 2 tables are valid; when fewer
     than needed are valid the rest is filled with the most recent tokens.
 
+    Paper: Chen et al., "MagicPIG: LSH Sampling for Efficient LLM Generation",
+    https://arxiv.org/abs/2410.16179
+
     Args:
         tables: L hash tables, in [1, 255] (collisions are counted in uint8).
         bits: K bits per table, in [1, 16].
     """
 
-    name = "magicpig"
+    name: ClassVar[str] = "magicpig"
+    tables: int = 16
+    bits: int = 6
 
-    def __init__(self, seed: int = 0, tables: int = 16, bits: int = 6) -> None:
-        super().__init__(seed)
-        tables = self.option("tables", tables, 1, MAX_TABLES)
-        self.hash = SimHash(tables, self.option("bits", bits, 1, MAX_BITS), seed)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.tables = self.option("tables", self.tables, 1, MAX_TABLES)
+        self.bits = self.option("bits", self.bits, 1, MAX_BITS)
+        self.hash = SimHash(self.tables, self.bits, self.seed)
 
     def score(self, pool: Pool) -> torch.Tensor:
         n_tables, n_bits = self.hash.tables, self.hash.bits
