@@ -26,7 +26,7 @@ import time
 import torch
 from common import write_result
 
-from bmrt_kv.evaluation import first_number, passkey_samples
+from bmrt_kv.evaluation import passkey_samples
 
 PRESSES = ["streaming_llm", "snapkv", "tova", "expected_attention"]
 
@@ -79,7 +79,7 @@ def run_sample(model, tokenizer, sample, press, max_new_tokens: int = 8) -> dict
     decode = time.perf_counter() - start
     text = tokenizer.decode(new, skip_special_tokens=True).strip()
     return {
-        "correct": first_number(text) == sample.answer,
+        "correct": sample.correct(text),
         "prefill_tokens_per_s": n / prefill,
         "decode_tokens_per_s": len(new) / decode,
         "kv_bytes": kv,

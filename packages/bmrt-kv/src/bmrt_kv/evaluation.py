@@ -26,11 +26,27 @@ QUESTION = "What is the pass key? The pass key is"
 
 @dataclass
 class Sample:
-    """One retrieval item: ``context`` is streamed, then ``question`` is asked."""
+    """One retrieval item: ``context`` is streamed, then ``question`` is asked.
+
+    ``answer`` is the expected answer (the first, for tasks with several). With
+    ``answers`` empty (the pass key), an output is correct when its first number is
+    ``answer``; otherwise when every one of ``answers`` appears in it as a whole word
+    (RULER's ``string_match_all``, all or nothing). ``task`` names the generator and
+    ``max_new_tokens`` is how long an answer may be.
+    """
 
     context: str
     question: str
     answer: str
+    answers: tuple[str, ...] = ()
+    task: str = "passkey"
+    max_new_tokens: int = 8
+
+    def correct(self, output: str) -> bool:
+        if not self.answers:
+            return first_number(output) == self.answer
+        words = set(re.findall(r"\w+", output.lower()))
+        return all(a.lower() in words for a in self.answers)
 
 
 def passkey_sample(tokenizer, n_tokens: int, key: int, depth: float) -> Sample:
@@ -72,13 +88,15 @@ def run_sample(
     sample: Sample,
     config: BMRTConfig | None,
     block_size: int = 512,
-    max_new_tokens: int = 8,
+    max_new_tokens: int | None = None,
 ) -> dict:
     """Stream ``sample`` and answer greedily; ``config=None`` runs the full DynamicCache.
+    ``max_new_tokens`` defaults to the sample's own.
 
-    Returns a dict with ``correct`` (exact match of the first number), ``output``,
+    Returns a dict with ``correct`` (:meth:`Sample.correct`), ``output``,
     ``prefill_tokens_per_s``, ``decode_tokens_per_s`` and ``peak_kv_bytes``.
     """
+    max_new_tokens = sample.max_new_tokens if max_new_tokens is None else max_new_tokens
     if config is None:
         return _run_full(model, tokenizer, sample, block_size, max_new_tokens)
     question = sample.question if config.scoring == "query_aware" else None
@@ -88,7 +106,7 @@ def run_sample(
     text = tokenizer.decode(new, skip_special_tokens=True).strip()
     stats = stream.stats
     return {
-        "correct": first_number(text) == sample.answer,
+        "correct": sample.correct(text),
         "output": text,
         "prefill_tokens_per_s": stats.prefill_tokens_per_s,
         "decode_tokens_per_s": stats.decode_tokens_per_s,
@@ -119,7 +137,7 @@ def _run_full(model, tokenizer, sample: Sample, block_size: int, max_new_tokens:
     text = tokenizer.decode(new, skip_special_tokens=True).strip()
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     return {
-        "correct": first_number(text) == sample.answer,
+        "correct": sample.correct(text),
         "output": text,
         "prefill_tokens_per_s": ids.shape[-1] / prefill,
         "decode_tokens_per_s": len(new) / decode,

@@ -1,0 +1,113 @@
+"""The RULER-style suite (bmrt_kv.suite) on SmolLM2-135M-Instruct: selectors x budgets x
+scoring modes against the full cache, per task and length, exact match.
+
+The full protocol of #18 is 4k and 8k tokens, 20 samples per task and length, B = 256 /
+512 / 1024: on this 2-core CPU that is many hours per configuration, so the flags choose a
+subset and the JSON says exactly what ran. Rows are written after every configuration, so
+a cut-off run keeps what it measured.
+
+    hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite.py \\
+        --lengths 4000 --samples 5 --budgets 1024 --selectors full keydiff snapkv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+import torch
+from common import write_result
+
+from bmrt_kv import SELECTORS, BMRTConfig
+from bmrt_kv.evaluation import run_sample
+from bmrt_kv.suite import TASKS, suite_samples
+
+QUERY_FREE = {"streaming", "keydiff"}
+COLUMNS = ["tokens", "task", "selector", "B", "scoring", "correct", "peak KV MiB", "s/sample"]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4000, 8000])
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument(
+        "--selectors", nargs="+", default=["full", *SELECTORS], choices=["full", *SELECTORS]
+    )
+    parser.add_argument(
+        "--scorings",
+        nargs="+",
+        default=["agnostic", "query_aware"],
+        choices=["agnostic", "query_aware"],
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--name", default="suite", help="results/<name>.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from membound_testing import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    load_start = os.getloadavg()[0]
+    rows = []
+    for n_tokens in args.lengths:
+        by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, args.tasks)
+        runs = [("full", None, "-")] if "full" in args.selectors else []
+        runs += [
+            (selector, budget, scoring)
+            for selector in args.selectors
+            if selector != "full"
+            for budget in args.budgets
+            for scoring in args.scorings
+            if not (selector in QUERY_FREE and scoring == "query_aware")
+        ]
+        for task, samples in by_task.items():
+            for selector, budget, scoring in runs:
+                config = None
+                if selector != "full":
+                    config = BMRTConfig(budget=budget, selector=selector, scoring=scoring)
+                start = time.perf_counter()
+                results = [run_sample(model, tokenizer, s, config) for s in samples]
+                row = [
+                    n_tokens,
+                    task,
+                    selector,
+                    budget or "-",
+                    scoring,
+                    f"{sum(r['correct'] for r in results)}/{len(results)}",
+                    round(max(r["peak_kv_bytes"] for r in results) / 2**20, 1),
+                    round((time.perf_counter() - start) / len(results), 1),
+                ]
+                rows.append(row)
+                print(row, repr(results[0]["output"][:60]), flush=True)
+                _write(args, argv, rows, load_start)
+
+
+def _write(args, argv, rows, load_start) -> None:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    flags = sys.argv[1:] if argv is None else argv
+    write_result(
+        args.name,
+        f"RULER-style suite, SmolLM2-135M, greedy, exact match: {args.samples} samples per "
+        "task and length",
+        COLUMNS,
+        rows,
+        [],
+        command="hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite.py " + " ".join(flags),
+        notes=f"Ran: lengths {args.lengths}, tasks {args.tasks}, {args.samples} samples, "
+        f"budgets {args.budgets}, selectors {args.selectors}, scorings {args.scorings}, "
+        f"seed {args.seed}; each selector at its default options. Peak RSS of the run "
+        f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the last row (2 cores): s/sample is context only.",
+    )
+
+
+if __name__ == "__main__":
+    main()
