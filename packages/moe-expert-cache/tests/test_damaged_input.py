@@ -275,6 +275,7 @@ def test_trace_header_values_are_checked(tmp_path, header):
 def test_cli_refuses_token_ids_outside_the_vocabulary(model_dir, capsys):
     """--prompt-ids 1000000 used to segfault inside MLX's embedding lookup."""
     for ids in ("1000000", "-1", "256"):
-        rc = main(["generate", "--model", str(model_dir("olmoe")), "--prompt-ids", ids])
-        assert rc == 2
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--model", str(model_dir("olmoe")), "--prompt-ids", ids])
+        assert exit_info.value.code == 2
         assert "vocab_size=256" in capsys.readouterr().err
