@@ -47,14 +47,20 @@ def test_exact_mode_under_stream_generate_counts_every_forward_and_equals_stock(
 ):
     tokenizer, ids = real_prompt
     cached = load_cached_model(real_moe, CacheConfig(capacity=0.5, mode="exact"))
-    tokens = [
-        r.token for r in mlx_lm.stream_generate(cached.model, tokenizer, ids, max_tokens=NEW_TOKENS)
-    ]
+    layer0 = cached.manager.layers[0]
+    tokens, seen = [], []
+    for r in mlx_lm.stream_generate(cached.model, tokenizer, ids, max_tokens=NEW_TOKENS):
+        tokens.append(r.token)
+        seen.append(layer0.metrics.requests)  # read raw: no flush of the pending forward
     assert tokens == stock_tokens
+    # When token n is emitted, the forward of token n + 1 has started, and its start
+    # folded in every forward before it: the prompt (L - 1 tokens, then its last) and n.
+    k = cached.manager.top_k
+    assert seen == [(len(ids) + n) * k for n in range(NEW_TOKENS)]
     manager = cached.manager
     for m in manager.metrics():
         assert m.requests == forwarded_tokens(ids) * manager.top_k
-        assert m.hits + m.misses == m.requests and m.fallbacks == 0
+        assert m.hits + m.misses == m.requests and m.skipped == 0
     total = manager.total_metrics()
     assert total.misses > 0 and total.swaps > 0  # half the experts: it had to load some
     assert total.bytes_read == total.swaps * manager.layers[0].expert_nbytes
@@ -72,10 +78,19 @@ def test_skip_mode_swaps_under_generate(real_moe, real_prompt):
     tokenizer, ids = real_prompt
     cached = load_cached_model(real_moe, CacheConfig(capacity=0.5, mode="skip"))
     before = [list(layer.slots.slot_to_expert) for layer in cached.manager.layers]
-    mlx_lm.generate(cached.model, tokenizer, ids, max_tokens=NEW_TOKENS)
+    swaps_while_generating = []
+
+    def progress(processed: int, total: int) -> None:
+        swaps_while_generating.append(sum(layer.metrics.swaps for layer in cached.manager.layers))
+
+    mlx_lm.generate(
+        cached.model, tokenizer, ids, max_tokens=NEW_TOKENS, prompt_progress_callback=progress
+    )
+    # Between the prompt's two forwards (L - 1 tokens, then the last) the cache swapped.
+    assert swaps_while_generating[-1] > 0, swaps_while_generating
     total = cached.manager.total_metrics()
     assert total.requests == forwarded_tokens(ids) * 4 * len(cached.manager.layers)
-    assert total.fallbacks == total.misses > 0
+    assert total.skipped == total.misses > 0
     assert total.swaps > 0
     after = [list(layer.slots.slot_to_expert) for layer in cached.manager.layers]
     assert after != before
