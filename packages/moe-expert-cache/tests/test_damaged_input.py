@@ -14,17 +14,16 @@ import pytest
 from moe_expert_cache import (
     CacheConfig,
     ExpertCacheError,
-    ExpertSlots,
-    ExpertStore,
     RouterTrace,
     load_cached_model,
     read_state,
-    synthetic_trace,
 )
 from moe_expert_cache.checked_json import dumps_checksummed
 from moe_expert_cache.cli import main
-from moe_expert_cache.expert_store import INTEGRITY_FILE
+from moe_expert_cache.expert_store import INTEGRITY_FILE, ExpertStore
 from moe_expert_cache.safetensors_io import SafetensorsShard
+from moe_expert_cache.simulator import synthetic_trace
+from moe_expert_cache.slots import ExpertSlots
 
 SHARD = "model-00002-of-00002.safetensors"
 

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from moe_expert_cache.cached_layers import PredictiveCachedSwitchLinear, check_projection
+from moe_expert_cache.cached_layers import check_projection, cut_to_slots
 from moe_expert_cache.config import CacheConfig
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.expert_store import PROJECTIONS, ExpertStore
@@ -113,9 +113,7 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
         cache = LayerCache(i, path, store, all_slots[i], policy, config.mode == "skip")
         rows = cache.read_resident()
         for proj in PROJECTIONS:
-            module = PredictiveCachedSwitchLinear(getattr(block.switch_mlp, proj), rows[proj])
-            setattr(block.switch_mlp, proj, module)
-            cache.projections[proj] = module
+            cache.projections[proj] = cut_to_slots(getattr(block.switch_mlp, proj), rows[proj])
         setattr(layer, attr, BLOCKS[type(block)](block, cache))
         layers.append(cache)
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)

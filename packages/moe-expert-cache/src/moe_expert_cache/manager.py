@@ -99,7 +99,7 @@ class ExpertCacheManager:
     def total_metrics(self) -> LayerMetrics:
         total = LayerMetrics()
         for m in self.metrics():
-            for name in ("requests", "hits", "misses", "fallbacks", "swaps", "bytes_read"):
+            for name in ("requests", "hits", "misses", "skipped", "swaps", "bytes_read"):
                 setattr(total, name, getattr(total, name) + getattr(m, name))
         return total
 
