@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from _common import bench_model, write_result
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model, simulate, synthetic_trace
+from moe_expert_cache import CacheConfig, generate, load_cached_model, simulate
+from moe_expert_cache.simulator import synthetic_trace
 
 CAPACITIES = (0.25, 0.5, 0.75)
 
@@ -77,7 +78,7 @@ def run(quick: bool = False) -> dict:
         f"Recorded: the decode benchmark's model, {tokens} tokens per layer from greedy "
         f"generations after random prompts ({recorded.num_layers} layers, "
         f"{recorded.num_experts} experts, top-{recorded.top_k}). Synthetic: "
-        "moe_expert_cache.synthetic_trace (hot set of 2 x top-k experts drawn 80% of the "
+        "moe_expert_cache.simulator.synthetic_trace (hot set of 2 x top-k experts drawn 80% of the "
         "time, replaced after phases of ~64 tokens, else Zipf over all experts), same shape. "
         "Replay = exact-mode demand loading, token by token; LCP as specified "
         "(frequency x 0.25^(age/128)). Deterministic, not timing.",

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from moe_expert_cache import random_moe_config, write_random_moe
+from moe_expert_cache.random_model import random_moe_config, write_random_moe
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64]
 DECODE_STEPS = 16

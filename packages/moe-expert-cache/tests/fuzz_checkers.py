@@ -23,14 +23,14 @@ from mlx.utils import tree_flatten
 from membound_testing import fuzz
 from moe_expert_cache import (
     CacheConfig,
-    ExpertSlots,
-    ExpertStore,
     RouterTrace,
     config_from_state,
     load_cached_model,
     read_state,
 )
 from moe_expert_cache.checked_json import dumps_checksummed
+from moe_expert_cache.expert_store import ExpertStore
+from moe_expert_cache.slots import ExpertSlots
 
 # The fuzz model: a 2-layer, 8-expert, top-2 MoE (the conftest's random model).
 NUM_EXPERTS, TOP_K = [8, 8], 2
@@ -216,8 +216,9 @@ def make_references(root: Path) -> Path:
     them; returns the JSON's path (for ``MOE_FUZZ_REFS``)."""
     import shutil
 
-    from moe_expert_cache import generate, random_moe_config, write_random_moe
+    from moe_expert_cache import generate
     from moe_expert_cache.expert_store import INTEGRITY_FILE
+    from moe_expert_cache.random_model import random_moe_config, write_random_moe
 
     sealed = write_random_moe(root / "sealed", random_moe_config("qwen3_moe"), bits=4)
     foreign = root / "foreign"

@@ -14,17 +14,16 @@ import pytest
 from moe_expert_cache import (
     CacheConfig,
     ExpertCacheError,
-    ExpertSlots,
-    ExpertStore,
     RouterTrace,
     load_cached_model,
     read_state,
-    synthetic_trace,
 )
 from moe_expert_cache.checked_json import dumps_checksummed
 from moe_expert_cache.cli import main
-from moe_expert_cache.expert_store import INTEGRITY_FILE
+from moe_expert_cache.expert_store import INTEGRITY_FILE, ExpertStore
 from moe_expert_cache.safetensors_io import SafetensorsShard
+from moe_expert_cache.simulator import synthetic_trace
+from moe_expert_cache.slots import ExpertSlots
 
 SHARD = "model-00002-of-00002.safetensors"
 
@@ -275,6 +274,7 @@ def test_trace_header_values_are_checked(tmp_path, header):
 def test_cli_refuses_token_ids_outside_the_vocabulary(model_dir, capsys):
     """--prompt-ids 1000000 used to segfault inside MLX's embedding lookup."""
     for ids in ("1000000", "-1", "256"):
-        rc = main(["generate", "--model", str(model_dir("olmoe")), "--prompt-ids", ids])
-        assert rc == 2
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--model", str(model_dir("olmoe")), "--prompt-ids", ids])
+        assert exit_info.value.code == 2
         assert "vocab_size=256" in capsys.readouterr().err

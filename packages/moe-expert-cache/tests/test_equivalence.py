@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import DECODE_STEPS, PROMPT, decode_logits
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from moe_expert_cache import ARCHITECTURES, CacheConfig, CachedMoeBlock, load_cached_model
+from moe_expert_cache import CacheConfig, load_cached_model
+from moe_expert_cache.moe_blocks import CachedMoeBlock
+from moe_expert_cache.random_model import ARCHITECTURES
 
 CASES = [(arch, bits) for arch in ARCHITECTURES for bits in (None, 4)]
 
@@ -29,6 +32,11 @@ def test_exact_mode_matches_stock_with_half_the_experts(model_dir, stock_run, ar
     total = cached.manager.total_metrics()
     assert total.misses > 0 and total.swaps > 0  # the cache really was too small
     assert total.requests == len(tokens) * 2 * len(cached.manager.layers)
+    # The experts run through mlx-lm's own projections, cut to the 4 resident slots.
+    for layer in cached.manager.layers:
+        for proj in layer.projections.values():
+            assert type(proj) is (SwitchLinear if bits is None else QuantizedSwitchLinear)
+            assert proj.num_experts == 4
 
 
 @pytest.mark.parametrize(("arch", "bits"), CASES)
@@ -40,7 +48,7 @@ def test_skip_mode_with_every_expert_cached_equals_stock(model_dir, stock_run, a
     cached = load_cached_model(model_dir(arch, bits), CacheConfig(capacity=1.0, mode="skip"))
     logits = decode_logits(cached.model, tokens, cached.manager)
     assert max_diff(logits, stock_logits) <= 1e-5
-    assert cached.manager.total_metrics().fallbacks == 0
+    assert cached.manager.total_metrics().skipped == 0
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -58,7 +66,7 @@ def test_skip_mode_differs_when_a_requested_expert_is_missing(model_dir, stock_r
     )
     logits = decode_logits(cached.model, tokens, cached.manager)
     assert max_diff(logits[:1], stock_logits[:1]) > 1e-3
-    assert cached.manager.metrics()[0].fallbacks > 0
+    assert cached.manager.metrics()[0].skipped > 0
     assert cached.manager.total_metrics().swaps == 0
 
 

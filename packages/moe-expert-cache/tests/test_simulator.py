@@ -15,12 +15,11 @@ from moe_expert_cache import (
     adaptive_capacity,
     generate,
     load_cached_model,
-    make_policy,
     pinned_experts,
     simulate,
-    synthetic_trace,
 )
-from moe_expert_cache.simulator import replay_layer
+from moe_expert_cache.policies import make_policy
+from moe_expert_cache.simulator import replay_layer, synthetic_trace
 
 
 def test_policy_orders():

@@ -1,4 +1,4 @@
-"""The skip fallback against an independent per-token reference of each router."""
+"""Skip mode against an independent per-token reference of each router."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moe_expert_cache import ARCHITECTURES, CacheConfig, load_cached_model
+from moe_expert_cache import CacheConfig, load_cached_model
+from moe_expert_cache.random_model import ARCHITECTURES
 
 
 def silu(v):
@@ -50,7 +51,7 @@ def reference(stock_block, arch: str, x: np.ndarray, resident: set[int]) -> np.n
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_skip_fallback_matches_reference(model_dir, stock_run, arch):
+def test_skip_mode_matches_reference(model_dir, stock_run, arch):
     _, _, stock = stock_run(arch)
     resident = {0, 2, 3, 5, 6}
     cached = load_cached_model(

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from moe_expert_cache import CacheConfig, ExpertStore, generate, load_cached_model
+from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache.expert_store import ExpertStore
 from moe_expert_cache.safetensors_io import SafetensorsShard
 
 
@@ -165,7 +166,7 @@ def test_patch_model_checks_everything_before_changing_the_model(model_dir):
     from mlx_lm.models.mixtral import MixtralSparseMoeBlock
     from mlx_lm.utils import load_model
 
-    from moe_expert_cache import patch_model
+    from moe_expert_cache.loader import patch_model
 
     path = model_dir("mixtral")
     model, _ = load_model(path)

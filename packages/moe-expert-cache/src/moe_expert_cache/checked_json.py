@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from moe_expert_cache.errors import ExpertCacheError
@@ -78,9 +79,24 @@ def loads_checksummed(data: bytes, what: str) -> dict:
     return doc
 
 
+def umask_mode(directory: bool = False) -> int:
+    """The mode ``open`` / ``mkdir`` give a new file (0o666) or directory (0o777) under the
+    process's umask (``tempfile`` makes them 0o600 / 0o700 instead)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
 def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary name and a rename."""
+    """Write ``data`` to ``path`` through a unique temporary name and a rename, with the
+    mode a plain ``open`` would give it."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

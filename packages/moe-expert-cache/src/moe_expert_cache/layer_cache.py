@@ -7,13 +7,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
+from moe_expert_cache.cached_layers import write_slots
 from moe_expert_cache.policies import EvictionPolicy
 from moe_expert_cache.slots import ExpertSlots
 
 if TYPE_CHECKING:
-    from moe_expert_cache.cached_layers import PredictiveCachedSwitchLinear
     from moe_expert_cache.expert_store import ExpertStore
     from moe_expert_cache.trace import RouterTrace
 
@@ -22,14 +23,14 @@ if TYPE_CHECKING:
 class LayerMetrics:
     """Counters of one layer. A request is one (token, expert) pair the router chose.
 
-    ``fallbacks``: misses computed without their expert (skip mode). ``swaps``: experts
+    ``skipped``: misses computed without their expert (skip mode). ``swaps``: experts
     loaded into a slot after the initial fill; ``bytes_read``: the bytes those loads read.
     """
 
     requests: int = 0
     hits: int = 0
     misses: int = 0
-    fallbacks: int = 0
+    skipped: int = 0
     swaps: int = 0
     bytes_read: int = 0
 
@@ -63,7 +64,7 @@ class LayerCache:
         self.slots, self.policy, self.skip = slots, policy, skip
         self.metrics = LayerMetrics()
         self.expert_nbytes = store.expert_nbytes(block_path)
-        self.projections: dict[str, PredictiveCachedSwitchLinear] = {}
+        self.projections: dict[str, nn.Module] = {}  # SwitchLinear / QuantizedSwitchLinear
         self.buffer: list[tuple[mx.array | np.ndarray, mx.array | np.ndarray | None]] = []
         self.tokens_seen = 0
         self._refresh_tables()
@@ -95,7 +96,9 @@ class LayerCache:
         loaded = [self.store.read_expert(self.block_path, e) for _, _, e in swaps]
         slot_ids = [s for s, _, _ in swaps]
         for proj, module in self.projections.items():
-            module.write_slots(slot_ids, {p: [r[proj][p] for r in loaded] for p in loaded[0][proj]})
+            write_slots(
+                module, slot_ids, {p: [r[proj][p] for r in loaded] for p in loaded[0][proj]}
+            )
         self.slots.apply(swaps)
         self.metrics.swaps += len(swaps)
         self.metrics.bytes_read += len(swaps) * self.expert_nbytes
@@ -147,7 +150,7 @@ class LayerCache:
             self.metrics.hits += n_hits
             self.metrics.misses += idx.size - n_hits
             if self.skip:
-                self.metrics.fallbacks += idx.size - n_hits
+                self.metrics.skipped += idx.size - n_hits
             for row in idx:
                 self.policy.record(row.tolist(), self.tokens_seen)
                 if trace is not None:

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from moe_expert_cache.cached_layers import PredictiveCachedSwitchLinear, check_projection
+from moe_expert_cache.cached_layers import check_projection, cut_to_slots
 from moe_expert_cache.config import CacheConfig
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.expert_store import PROJECTIONS, ExpertStore
@@ -113,12 +113,41 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
         cache = LayerCache(i, path, store, all_slots[i], policy, config.mode == "skip")
         rows = cache.read_resident()
         for proj in PROJECTIONS:
-            module = PredictiveCachedSwitchLinear(getattr(block.switch_mlp, proj), rows[proj])
-            setattr(block.switch_mlp, proj, module)
-            cache.projections[proj] = module
+            cache.projections[proj] = cut_to_slots(getattr(block.switch_mlp, proj), rows[proj])
         setattr(layer, attr, BLOCKS[type(block)](block, cache))
         layers.append(cache)
-    return ExpertCacheManager(layers, config, top_k)
+    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+    manager = ExpertCacheManager(layers, config, top_k, vocab_size)
+    _begin_each_forward_with(model, manager)
+    return manager
+
+
+_HOOKED_CLASSES: dict[type, type] = {}
+
+
+def _begin_each_forward_with(model: nn.Module, manager: ExpertCacheManager) -> None:
+    """Give ``model`` a subclass of its own class whose ``__call__`` first runs
+    ``manager.begin_forward``: the token ids are checked and the pending between-token
+    update runs, whoever calls the model (``mlx_lm.generate``, ``stream_generate``, a
+    server, your own loop). Python looks ``__call__`` up on the type, so the class is the
+    one place to put it; the subclass keeps the stock module name, which mlx-lm reads.
+    """
+    stock = type(model)
+    if stock not in _HOOKED_CLASSES:
+
+        def __call__(self, inputs, *args, **kwargs):
+            embedded = kwargs.get("input_embeddings") is not None or (
+                len(args) > 1 and args[1] is not None
+            )
+            self.expert_cache_manager.begin_forward(None if embedded else inputs)
+            return stock.__call__(self, inputs, *args, **kwargs)
+
+        name = f"ExpertCached{stock.__name__}"
+        _HOOKED_CLASSES[stock] = type(
+            name, (stock,), {"__call__": __call__, "__module__": stock.__module__}
+        )
+    model.__class__ = _HOOKED_CLASSES[stock]
+    model.expert_cache_manager = manager
 
 
 def _supported_model_types() -> set[str]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+
 from moe_expert_cache.checked_json import dumps_checksummed, is_int, loads_checksummed, write_atomic
 from moe_expert_cache.config import CacheConfig
 from moe_expert_cache.errors import ExpertCacheError
@@ -15,27 +18,62 @@ STATE_KEYS = ("num_experts", "pinned", "resident", "top_k")
 
 
 class ExpertCacheManager:
-    """All MoE layers' caches of one model, in layer order."""
+    """All MoE layers' caches of one model, in layer order.
 
-    def __init__(self, layers: list[LayerCache], config: CacheConfig, top_k: int):
+    The patched model calls :meth:`begin_forward` at the start of every forward, so the
+    between-token update runs under any generation loop (``mlx_lm.generate``,
+    ``stream_generate``, your own); :meth:`metrics`, :meth:`state` and :attr:`trace` fold in
+    the last forward first.
+    """
+
+    def __init__(
+        self,
+        layers: list[LayerCache],
+        config: CacheConfig,
+        top_k: int,
+        vocab_size: int | None = None,
+    ):
         self.layers, self.config, self.top_k = layers, config, top_k
-        self.trace: RouterTrace | None = None
+        self.vocab_size = vocab_size
+        self._trace: RouterTrace | None = None
+
+    @property
+    def trace(self) -> RouterTrace | None:
+        """The trace started by :meth:`start_trace`, up to the last forward."""
+        self.dynamic_cache_update()
+        return self._trace
 
     def start_trace(self) -> RouterTrace:
-        """Record every consumed router choice from now on into a new trace."""
-        self.trace = RouterTrace(len(self.layers), self.layers[0].slots.num_experts, self.top_k)
-        return self.trace
+        """Record every router choice from the next forward on into a new trace."""
+        self.dynamic_cache_update()
+        self._trace = RouterTrace(len(self.layers), self.layers[0].slots.num_experts, self.top_k)
+        return self._trace
+
+    def begin_forward(self, inputs: mx.array | None) -> None:
+        """Called by the patched model before each forward: check the token ids ``inputs``
+        (B, L) int against the vocabulary, then run the pending between-token update.
+
+        An id outside the embedding table is an out-of-bounds read inside MLX (a segfault),
+        so it is refused here, before the model reads it. Reading the ids synchronises;
+        the update reads the previous forward's router choices, which synchronises anyway.
+        """
+        if inputs is not None:
+            check_token_ids(inputs, self.vocab_size)
+        self.dynamic_cache_update()
 
     def dynamic_cache_update(self) -> int:
         """Between tokens: fold the buffered router choices into the statistics and, in
-        skip mode, swap in the experts that missed, within the swap budget.
+        skip mode, swap in the experts that missed, within the swap budget. The patched
+        model runs it at the start of every forward; calling it earlier (as
+        :func:`moe_expert_cache.generate` does after each token) does the same update, and
+        with nothing buffered it does nothing.
 
         Layers with the most distinct misses are served first when ``max_layer_updates``
         limits how many layers may swap. Returns the number of experts loaded.
         """
         plans = []
         for layer in self.layers:
-            counts = layer.consume(self.trace)
+            counts = layer.consume(self._trace)
             if not layer.skip:
                 continue  # exact mode already loaded every miss before computing
             wanted = [e for e, _ in counts.most_common() if not layer.slots.is_resident(e)]
@@ -54,12 +92,14 @@ class ExpertCacheManager:
         return loaded
 
     def metrics(self) -> list[LayerMetrics]:
+        """One :class:`LayerMetrics` per MoE layer, up to the last forward."""
+        self.dynamic_cache_update()
         return [layer.metrics for layer in self.layers]
 
     def total_metrics(self) -> LayerMetrics:
         total = LayerMetrics()
         for m in self.metrics():
-            for name in ("requests", "hits", "misses", "fallbacks", "swaps", "bytes_read"):
+            for name in ("requests", "hits", "misses", "skipped", "swaps", "bytes_read"):
                 setattr(total, name, getattr(total, name) + getattr(m, name))
         return total
 
@@ -71,7 +111,8 @@ class ExpertCacheManager:
 
     def state(self) -> dict:
         """Which experts are resident (slot order) and pinned, per MoE layer, and the
-        model's experts per layer and top-k they apply to."""
+        model's experts per layer and top-k they apply to (after the pending update)."""
+        self.dynamic_cache_update()
         return {
             "num_experts": [layer.slots.num_experts for layer in self.layers],
             "top_k": self.top_k,
@@ -84,6 +125,20 @@ class ExpertCacheManager:
         of the whole file."""
         doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "state": self.state()}
         write_atomic(path, dumps_checksummed(doc))
+
+
+def check_token_ids(ids: mx.array, vocab_size: int | None) -> None:
+    """Refuse token ids ``ids`` (any shape) that are not integers in ``[0, vocab_size)``."""
+    if not mx.issubdtype(ids.dtype, mx.integer):
+        raise ExpertCacheError(f"token ids must be an integer array, got {ids.dtype}")
+    if vocab_size is None or ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any().item():
+        values = np.array(ids).ravel()[np.array(bad).ravel()]
+        raise ExpertCacheError(
+            f"token ids must be in [0, vocab_size={vocab_size}), got {values[:5].tolist()}"
+        )
 
 
 def read_state(path: str | Path) -> dict:

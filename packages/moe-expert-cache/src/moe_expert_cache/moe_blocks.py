@@ -29,7 +29,7 @@ def block_top_k(stock: nn.Module) -> int:
 class CachedMoeBlock(nn.Module):
     """Base of the cached blocks. ``route`` is the stock router; ``normalizes_topk`` says
     whether the stock block makes the top-k scores sum to one, which decides whether the
-    skip fallback renormalises the surviving scores."""
+    skip mode renormalises the surviving scores."""
 
     stock_class: ClassVar[type[nn.Module]]
 
@@ -67,12 +67,12 @@ class CachedMoeBlock(nn.Module):
             cache.record(inds, None)
             y = self.switch_mlp(x, inds if cache.identity else cache.lookup[inds])
         elif cache.skip:
-            y, scores = self._predictive(x, inds, scores)
+            y, scores = self._skip(x, inds, scores)
         else:
             y = self._exact(x, inds)
         return self.finish(x, self.mix(y, scores)).reshape(shape)
 
-    def _predictive(self, x, inds, scores):
+    def _skip(self, x, inds, scores):
         """Skip mode, lazy: misses run on slot 0 and get score 0, so never count."""
         cache = self.cache
         hit = cache.hit_mask[inds]  # (N, k) bool

@@ -32,6 +32,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 
 from moe_expert_cache.__about__ import __version__
+from moe_expert_cache.checked_json import umask_mode
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.expert_store import seal_model
 
@@ -312,6 +313,7 @@ def moefy(
                 shutil.copyfile(dense_dir / name, tmp / name)
         seal_model(tmp)
         (tmp / BUILD_RECORD).write_text(json.dumps(record, indent=1))
+        tmp.chmod(umask_mode(directory=True))  # mkdtemp made it 0o700
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
