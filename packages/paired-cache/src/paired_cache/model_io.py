@@ -205,7 +205,7 @@ def load_sparse(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from paired_cache.sparse_mlp import SparseMLP, is_gated_mlp
+    from paired_cache.sparse_mlp import SparseMLP, guard_sparse_model, is_gated_mlp
 
     model_dir = Path(model_dir)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
@@ -264,6 +264,7 @@ def load_sparse(
     if left:
         raise PairedCacheError(f"{model_dir}: no weights for {left[:5]} ({len(left)} tensors)")
     model.eval()
+    guard_sparse_model(model)
     return model
 
 
