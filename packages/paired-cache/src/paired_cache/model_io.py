@@ -208,6 +208,13 @@ def load_sparse(
     from paired_cache.sparse_mlp import SparseMLP, guard_sparse_model, is_gated_mlp
 
     model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        # transformers would take a missing directory for a hub repo id and say so.
+        what = "does not exist" if not model_dir.exists() else "holds no config.json"
+        raise PairedCacheError(
+            f"{model_dir} {what}: load_sparse needs a model directory (config.json and "
+            f"*.safetensors; save a .gguf-loaded model there with save_pretrained)"
+        )
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     pools = PoolFile(pool_path)
     maps = [SafetensorsMap(p) for p in _safetensors_files(model_dir)]
