@@ -5,12 +5,20 @@ where they used to write a checkpoint without MLP weights or do nothing."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 from conftest import make_tiny_llama
 
-from paired_cache import PairedCacheError, SparseMLP, convert, load_sparse, sparsify_model
+from paired_cache import (
+    PairedCacheError,
+    SparseMLP,
+    convert,
+    load_sparse,
+    save_dense,
+    sparsify_model,
+)
 
 IDS = torch.arange(3, 40).unsqueeze(0)  # (1, 37)
 
@@ -89,3 +97,29 @@ def test_the_package_save_path_round_trips_into_identical_logits(tmp_path):
     with pytest.raises(PairedCacheError, match=r"save_pretrained: .*load_sparse"):
         loaded.save_pretrained(tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_save_dense_writes_a_directory_load_sparse_reads(tmp_path):
+    dense = make_tiny_llama()
+    old = os.umask(0o022)
+    try:
+        path = save_dense(dense, tmp_path / "model")
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    convert(path, tmp_path / "model.pcpool", progress=False)
+    loaded = load_sparse(path, tmp_path / "model.pcpool", "cats", 1.0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDS).logits, dense(IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_save_dense_refuses_a_sparse_model_or_an_existing_directory(sparse_model, tmp_path):
+    with pytest.raises(PairedCacheError, match=r"save_dense: a SparseMLP keeps"):
+        save_dense(sparse_model, tmp_path / "model")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    with pytest.raises(PairedCacheError, match=r"taken already exists"):
+        save_dense(make_tiny_llama(), tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

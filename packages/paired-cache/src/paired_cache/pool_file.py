@@ -87,11 +87,11 @@ def _pool_rows(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, stride:
     return rows.view(torch.uint8).numpy().tobytes()
 
 
-def umask_mode() -> int:
-    """0o666 less the process's umask: the mode open() would give a new file."""
+def umask_mode(base: int = 0o666) -> int:
+    """base less the process's umask: the mode open() (0o666) or mkdir (0o777) would give."""
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return base & ~mask
 
 
 def write_pool_file(

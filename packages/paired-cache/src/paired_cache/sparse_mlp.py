@@ -30,10 +30,10 @@ MIN_CALIBRATION_TOKENS = 16
 SAVE_REFUSED = (
     "a SparseMLP keeps its weights in its paired cache (C memory, or the mapped pool file), "
     "not in parameters, so a state_dict or save_pretrained checkpoint would hold no MLP "
-    "weights. Save the dense model instead (save_pretrained before sparsify_model), write its "
-    "neuron pools with paired_cache.convert(MODEL_DIR, POOL) (or `paired-cache convert "
-    "MODEL_DIR POOL`), and load both back with paired_cache.load_sparse(MODEL_DIR, POOL, "
-    "source, fraction)"
+    "weights. Save the dense model instead, before sparsify_model (paired_cache.save_dense("
+    "model, MODEL_DIR), or save_pretrained), write its neuron pools with "
+    "paired_cache.convert(MODEL_DIR, POOL) (or `paired-cache convert MODEL_DIR POOL`), and "
+    "load both back with paired_cache.load_sparse(MODEL_DIR, POOL, source, fraction)"
 )
 
 
