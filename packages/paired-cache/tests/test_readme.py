@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from membound_testing.readme import blocks, run_python_blocks, smollm2_importable
-
 from paired_cache import SparseMLP
 
 README = Path(__file__).resolve().parents[1] / "README.md"

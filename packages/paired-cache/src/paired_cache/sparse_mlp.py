@@ -232,7 +232,8 @@ def check_mlp(mlp: nn.Module, name: str = "") -> None:
     parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if any(getattr(p, "bias", None) is not None for p in parts):
         raise PairedCacheError("SparseMLP supports bias-free projections only")
-    weights = [getattr(p, "weight", None) for p in parts]
+    # The registered parameter, not getattr: a compressed linear's weight property decodes.
+    weights = [getattr(p, "_parameters", {}).get("weight") for p in parts]
     if any(isinstance(w, torch.Tensor) and w.is_meta for w in weights):
         raise PairedCacheError(
             f"{what}: its weights are on the meta device (offloaded by accelerate: a "
