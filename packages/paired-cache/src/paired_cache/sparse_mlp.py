@@ -13,11 +13,11 @@ from paired_cache.cache import PairedCache
 from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import (
-    MASK_SOURCES,
     Activation,
     MaskSource,
     active_rows,
     make_source,
+    source_class,
 )
 from paired_cache.pool_file import PoolFile
 
@@ -135,8 +135,7 @@ class SparseMLP(nn.Module):
         inputs of this MLP for the sources that fit to data; window: tokens whose masks'
         union stays resident (1: only the current token's rows)."""
         check_mlp(mlp)
-        if source not in MASK_SOURCES:
-            raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+        source_class(source)
         check_window(window)
         parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         with torch.no_grad():
@@ -166,8 +165,7 @@ class SparseMLP(nn.Module):
     ) -> SparseMLP:
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
         mapping and only the active rows (window_capacity rows) are anonymous memory."""
-        if source not in MASK_SOURCES:
-            raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+        source_class(source)
         check_window(window)
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
@@ -312,14 +310,13 @@ def sparsify_model(
         raise PairedCacheError(
             f"{type(model).__name__} has no gated MLP (modules with {GATED_MLP_PARTS})"
         )
-    if source not in MASK_SOURCES:
-        raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+    needs_calibration = source_class(source).needs_calibration
     check_window(window)
     for name in names:
         check_mlp(model.get_submodule(name), name)
     if calibration_ids is not None:
         calibration_ids = _check_calibration_ids(calibration_ids)
-    elif MASK_SOURCES[source].needs_calibration:
+    elif needs_calibration:
         raise PairedCacheError(
             f"mask source {source!r} needs calibration_ids: (1, T) token ids, "
             f"T >= {MIN_CALIBRATION_TOKENS}"
