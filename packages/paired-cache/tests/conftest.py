@@ -22,3 +22,20 @@ def smollm2():
 
     model, tokenizer = load_smollm2()
     return model, tokenizer
+
+
+def make_tiny_llama(seed: int = 0):
+    """A 2-layer random LlamaForCausalLM (float32, gated MLPs of 64 rows): fast real model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()

@@ -86,6 +86,7 @@ def test_wheel_is_platform_tagged_and_holds_the_core(package_copy, tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         assert any(re.fullmatch(r"_paired_cache_core\..*\.so", n) for n in names), names
+        assert "paired_cache/py.typed" in names, names
         wheel_meta = next(n for n in names if n.endswith(".dist-info/WHEEL"))
         assert "Root-Is-Purelib: false" in zf.read(wheel_meta).decode()
 

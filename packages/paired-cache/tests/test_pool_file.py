@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 
 import pytest
@@ -191,3 +192,14 @@ def test_sparse_mlp_from_pool_file_computes_the_masked_mlp(tmp_path):
         assert int(mask.sum()) == 20
         want = down[:, mask] @ (act(gate[mask] @ x[t]) * (up[mask] @ x[t]))
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_pool_file_takes_the_process_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_pool_file(tmp_path / "p.pcpool", _layers())
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p.pcpool").stat().st_mode & 0o777 == mode
+    assert [p.name for p in tmp_path.iterdir()] == ["p.pcpool"]

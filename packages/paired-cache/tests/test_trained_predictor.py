@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import make_weights
@@ -80,3 +82,17 @@ def test_bad_predictor_inputs_are_refused(tmp_path):
     junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(PairedCacheError, match=r"junk.safetensors"):
         load_predictors(junk)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_predictor_file_takes_the_process_umask(tmp_path, umask, mode):
+    gate, up, _ = make_weights(N, H, seed=1)
+    weights = fit_predictor(
+        gate, up, torch.nn.SiLU(), 0.5, _inputs(64, 0), TrainConfig(rank=4, steps=1)
+    )
+    old = os.umask(umask)
+    try:
+        save_predictors(tmp_path / "p.safetensors", {"model.layers.0.mlp": weights}, 0.5)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p.safetensors").stat().st_mode & 0o777 == mode

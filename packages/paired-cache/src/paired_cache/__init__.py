@@ -19,7 +19,7 @@ from paired_cache.mask_sources import (
     MaskSource,
     OracleTopK,
 )
-from paired_cache.model_io import convert, load_sparse
+from paired_cache.model_io import convert, load_sparse, save_dense
 from paired_cache.pool_file import PoolFile, write_pool_file
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
 
@@ -44,6 +44,7 @@ __all__ = [
     "convert",
     "core_info",
     "load_sparse",
+    "save_dense",
     "sparsify_model",
     "write_pool_file",
 ]

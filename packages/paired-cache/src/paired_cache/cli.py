@@ -1,6 +1,12 @@
 """``paired-cache`` command line: ``convert`` writes a model's neuron pools to a pool file;
-``fit-predictor`` trains the Deja Vu predictors. (The update microbenchmark is
-``benchmarks/microbench.py``, outside the installed package.)"""
+``fit-predictor`` trains the Deja Vu predictors; ``ask`` answers a prompt with the model
+loaded by ``load_sparse``. (The update microbenchmark is ``benchmarks/microbench.py``,
+outside the installed package.)
+
+Expected failures (a bad argument, a missing or unreadable file) print
+``paired-cache: error: <message>`` and exit with status 2, as argparse does for bad
+options; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -8,65 +14,127 @@ import argparse
 import sys
 from pathlib import Path
 
+from paired_cache.errors import PairedCacheError
+from paired_cache.mask_sources import MASK_SOURCES
 
-def _convert(args: argparse.Namespace) -> int:
-    from paired_cache.errors import PairedCacheError
+PROG = "paired-cache"
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
     from paired_cache.model_io import convert
 
-    try:
-        layers = convert(args.source, args.out, progress=not args.quiet)
-    except PairedCacheError as exc:
-        print(f"paired-cache convert: {exc}", file=sys.stderr)
-        return 2
+    layers = convert(args.source, args.out, progress=not args.quiet)
     total = sum(layer.nbytes for layer in layers)
     print(f"{args.out}: {len(layers)} MLP pools, {total / 2**20:.1f} MiB")
     return 0
 
 
-def _fit_predictor(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+def _load_dense(model: str):
+    """A float32 model and its tokenizer from a HF directory or a .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paired_cache.errors import PairedCacheError
+    path = Path(model)
+    if not path.exists():
+        raise PairedCacheError(f"{path} does not exist")
+    where = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    root = str(path.parent) if where else str(path)
+    if not where and not (path / "config.json").is_file():
+        raise PairedCacheError(f"{path}: expected a model directory (config.json) or a .gguf file")
+    dense = AutoModelForCausalLM.from_pretrained(root, dtype="float32", **where).eval()
+    return dense, AutoTokenizer.from_pretrained(root, **where)
+
+
+def cmd_fit_predictor(args: argparse.Namespace) -> int:
     from paired_cache.model_io import _Progress
     from paired_cache.trained_predictor import TrainConfig, fit_predictors, save_predictors
 
-    try:
-        config = TrainConfig(rank=args.rank, steps=args.steps)
-        text = Path(args.text).read_text(encoding="utf-8")
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="float32").eval()
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        layers = model.config.num_hidden_layers
-        progress = None if args.quiet else _Progress(layers)
-        predictors = fit_predictors(model, ids, args.fraction, config, progress=progress)
-        save_predictors(args.out, predictors, args.fraction)
-    except (PairedCacheError, OSError, UnicodeDecodeError) as exc:
-        print(f"paired-cache fit-predictor: {exc}", file=sys.stderr)
-        return 2
+    config = TrainConfig(rank=args.rank, steps=args.steps)
+    text = Path(args.text).read_text(encoding="utf-8")
+    model, tokenizer = _load_dense(args.model)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    layers = model.config.num_hidden_layers
+    progress = None if args.quiet else _Progress(layers)
+    predictors = fit_predictors(model, ids, args.fraction, config, progress=progress)
+    save_predictors(args.out, predictors, args.fraction)
     print(f"{args.out}: {len(predictors)} predictors, rank {args.rank}, {ids.shape[1]} tokens")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="paired-cache")
+def cmd_ask(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from paired_cache.model_io import load_sparse
+
+    options = {} if args.predictor is None else {"predictor": args.predictor}
+    if args.source == "trained" and args.predictor is None:
+        raise PairedCacheError("--source trained needs --predictor FILE (from fit-predictor)")
+    model = load_sparse(
+        args.model_dir, args.pool, args.source, args.fraction, window=args.window, **options
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
+    if tokenizer.chat_template:
+        chat = [{"role": "user", "content": args.prompt}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    else:
+        text = args.prompt
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+    print(tokenizer.decode(out[0, ids.shape[-1] :], skip_special_tokens=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser("convert", help="write every MLP's neuron pool to a pool file")
+
+    conv = sub.add_parser(
+        "convert", help="write every MLP's neuron pool to a pool file", formatter_class=fmt
+    )
     conv.add_argument("source", help="a HF model directory, a .safetensors file or a .gguf file")
     conv.add_argument("out", help="the pool file to write (replaced atomically)")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=cmd_convert)
+
     fit = sub.add_parser(
-        "fit-predictor", help="train the Deja Vu predictor of every MLP from a calibration text"
+        "fit-predictor",
+        help="train the Deja Vu predictor of every MLP from a calibration text",
+        formatter_class=fmt,
     )
-    fit.add_argument("model_dir", help="a HF model directory (config.json, *.safetensors)")
+    fit.add_argument("model", help="a HF model directory (config.json, *.safetensors) or .gguf")
     fit.add_argument("text", help="a UTF-8 calibration text file")
     fit.add_argument("out", help="the .safetensors file to write, beside the pool file")
-    fit.add_argument("--fraction", type=float, default=0.5, help="active rows (default 0.5)")
-    fit.add_argument("--rank", type=int, default=128, help="predictor rank (default 128)")
+    fit.add_argument("--fraction", type=float, default=0.5, help="share of active rows")
+    fit.add_argument("--rank", type=int, default=128, help="predictor rank")
     fit.add_argument("--steps", type=int, default=300, help="AdamW steps per layer")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    commands = {"convert": _convert, "fit-predictor": _fit_predictor}
-    return commands[args.command](args)
+    fit.set_defaults(func=cmd_fit_predictor)
+
+    ask = sub.add_parser(
+        "ask",
+        help="answer a prompt with load_sparse: MLPs from the pool file, the rest mapped",
+        formatter_class=fmt,
+    )
+    ask.add_argument("model_dir", help="the HF model directory the pool file was converted from")
+    ask.add_argument("pool", help="the pool file (paired-cache convert)")
+    ask.add_argument("prompt", help="the question (framed by the chat template if there is one)")
+    ask.add_argument("--source", choices=sorted(MASK_SOURCES), default="cats", help="mask source")
+    ask.add_argument("--fraction", type=float, default=0.5, help="share of active rows")
+    ask.add_argument("--window", type=int, default=1, help="tokens whose rows stay resident")
+    ask.add_argument("--predictor", help="the predictor file of --source trained")
+    ask.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate")
+    ask.set_defaults(func=cmd_ask)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (PairedCacheError, ValueError, OSError) as exc:
+        # UnicodeDecodeError is a ValueError: a calibration text that is not UTF-8.
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -236,9 +236,15 @@ def make_source(
 ) -> MaskSource:
     """Build the source registered under name; those with needs_calibration ("lowrank",
     "fixed") need calibration (T, hidden) inputs of this MLP."""
+    return source_class(name).build(gate, up, act, fraction, calibration, **options)
+
+
+def source_class(name: str) -> type[MaskSource]:
+    """The MaskSource class registered under name; an unknown name is refused with the
+    known ones."""
     if name not in MASK_SOURCES:
         raise PairedCacheError(f"unknown mask source {name!r}; known: {sorted(MASK_SOURCES)}")
-    return MASK_SOURCES[name].build(gate, up, act, fraction, calibration, **options)
+    return MASK_SOURCES[name]
 
 
 MASK_SOURCES: dict[str, type[MaskSource]] = {
@@ -257,6 +263,7 @@ __all__ = [
     "OracleTopK",
     "active_rows",
     "make_source",
+    "source_class",
 ]
 
 # "trained" (the Deja Vu predictor) registers itself; its module builds on this one.

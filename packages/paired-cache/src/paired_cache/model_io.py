@@ -11,6 +11,7 @@ dense MLP weights are never materialised, and no weight becomes anonymous memory
 
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 import os
@@ -186,6 +187,49 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, *, progress: bool
     return write_pool_file(out, iter_mlp_weights(source), progress=bar)
 
 
+def save_dense(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> Path:
+    """Write a dense transformers model as the directory convert and load_sparse read:
+    config.json, model.safetensors (the model's own dtype) and, when given, the tokenizer.
+
+    Unlike save_pretrained it takes a model loaded from a GGUF (whose weights are plain
+    float tensors once transformers dequantised them; save_pretrained refuses it). Written
+    to a temporary directory beside `directory` and renamed: `directory` must not exist
+    (or be empty), and a failure leaves nothing there. A sparsified model is refused.
+    """
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    from paired_cache.pool_file import umask_mode
+    from paired_cache.sparse_mlp import SAVE_REFUSED, SparseMLP
+
+    if any(isinstance(m, SparseMLP) for m in model.modules()):
+        raise PairedCacheError(f"save_dense: {SAVE_REFUSED}")
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise PairedCacheError(f"{directory} already exists; save_dense writes a new directory")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", suffix=".tmp", dir=directory.parent))
+    try:
+        # save_model drops the tied lm_head duplicate; from_pretrained ties it again.
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):  # the GGUF's: the weights are float now
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():  # safetensors writes 0600
+            os.chmod(f, umask_mode())
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp made it 0700
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
 def load_sparse(
     model_dir: str | os.PathLike,
     pool_path: str | os.PathLike,
@@ -205,9 +249,16 @@ def load_sparse(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from paired_cache.sparse_mlp import SparseMLP, is_gated_mlp
+    from paired_cache.sparse_mlp import SparseMLP, guard_sparse_model, is_gated_mlp
 
     model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        # transformers would take a missing directory for a hub repo id and say so.
+        what = "does not exist" if not model_dir.exists() else "holds no config.json"
+        raise PairedCacheError(
+            f"{model_dir} {what}: load_sparse needs a model directory (config.json and "
+            f"*.safetensors; save a .gguf-loaded model there with save_pretrained)"
+        )
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     pools = PoolFile(pool_path)
     maps = [SafetensorsMap(p) for p in _safetensors_files(model_dir)]
@@ -264,7 +315,8 @@ def load_sparse(
     if left:
         raise PairedCacheError(f"{model_dir}: no weights for {left[:5]} ({len(left)} tensors)")
     model.eval()
+    guard_sparse_model(model)
     return model
 
 
-__all__ = ["SafetensorsMap", "convert", "iter_mlp_weights", "load_sparse"]
+__all__ = ["SafetensorsMap", "convert", "iter_mlp_weights", "load_sparse", "save_dense"]

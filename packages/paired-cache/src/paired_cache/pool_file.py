@@ -87,6 +87,13 @@ def _pool_rows(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, stride:
     return rows.view(torch.uint8).numpy().tobytes()
 
 
+def umask_mode(base: int = 0o666) -> int:
+    """base less the process's umask: the mode open() (0o666) or mkdir (0o777) would give."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return base & ~mask
+
+
 def write_pool_file(
     path: str | os.PathLike,
     layers: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -136,6 +143,7 @@ def write_pool_file(
             f.write(TRAILER.pack(len(header), hashlib.sha256(header).digest(), MAGIC))
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, umask_mode())  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

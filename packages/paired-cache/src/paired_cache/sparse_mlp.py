@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections import deque
 
 import torch
@@ -12,15 +13,28 @@ from paired_cache.cache import PairedCache
 from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import (
-    MASK_SOURCES,
     Activation,
     MaskSource,
     active_rows,
     make_source,
+    source_class,
 )
 from paired_cache.pool_file import PoolFile
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+# Fewer calibration tokens than this are refused: "lowrank" fits rank <= T (the default
+# rank is 128) and "fixed" averages over T tokens, so a handful of tokens fits noise.
+MIN_CALIBRATION_TOKENS = 16
+
+SAVE_REFUSED = (
+    "a SparseMLP keeps its weights in its paired cache (C memory, or the mapped pool file), "
+    "not in parameters, so a state_dict or save_pretrained checkpoint would hold no MLP "
+    "weights. Save the dense model instead, before sparsify_model (paired_cache.save_dense("
+    "model, MODEL_DIR), or save_pretrained), write its neuron pools with "
+    "paired_cache.convert(MODEL_DIR, POOL) (or `paired-cache convert MODEL_DIR POOL`), and "
+    "load both back with paired_cache.load_sparse(MODEL_DIR, POOL, source, fraction)"
+)
 
 
 def is_gated_mlp(module: nn.Module) -> bool:
@@ -61,6 +75,28 @@ class SparseMLP(nn.Module):
         # One row of the active buffers: gate | up, and down transposed.
         self._row_bytes = (cache.gate_cols + cache.up_cols + cache.hidden) * cache.dtype.itemsize
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        raise PairedCacheError(f"{prefix.rstrip('.') or 'SparseMLP'}: {SAVE_REFUSED}")
+
+    def check_move(self, fn) -> None:
+        """Refuse a Module._apply function (.to, .half, .cuda, ...) that would change the
+        dtype or device of a tensor: the cache's C buffers cannot follow it."""
+        probe = torch.zeros(1, dtype=self.cache.dtype)
+        moved = fn(probe)
+        if isinstance(moved, torch.Tensor) and (
+            moved.dtype != probe.dtype or moved.device != probe.device
+        ):
+            raise PairedCacheError(
+                f"a SparseMLP's weights are {self.cache.dtype} CPU memory in its paired cache "
+                f"and cannot become {moved.dtype} on {moved.device}: move or convert the dense "
+                f"model before sparsify_model, or load_sparse a pool file converted from a "
+                f"checkpoint in that dtype"
+            )
+
+    def _apply(self, fn, recurse: bool = True):
+        self.check_move(fn)
+        return super()._apply(fn, recurse)
+
     @property
     def pool_bytes_read(self) -> int:
         """Bytes copied from the neuron pool into the active rows since construction.
@@ -98,16 +134,10 @@ class SparseMLP(nn.Module):
         """Wrap a gated MLP; source names a MASK_SOURCES entry, calibration is (T, hidden)
         inputs of this MLP for the sources that fit to data; window: tokens whose masks'
         union stays resident (1: only the current token's rows)."""
-        if not is_gated_mlp(mlp):
-            raise PairedCacheError(
-                f"{type(mlp).__name__} is not a gated MLP (needs {GATED_MLP_PARTS})"
-            )
-        parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(getattr(p, "bias", None) is not None for p in parts):
-            raise PairedCacheError("SparseMLP supports bias-free projections only")
-        if source not in MASK_SOURCES:
-            raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+        check_mlp(mlp)
+        source_class(source)
         check_window(window)
+        parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         with torch.no_grad():
             gate, up, down = (p.weight.detach().contiguous() for p in parts)
             n = gate.shape[0]
@@ -135,8 +165,7 @@ class SparseMLP(nn.Module):
     ) -> SparseMLP:
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
         mapping and only the active rows (window_capacity rows) are anonymous memory."""
-        if source not in MASK_SOURCES:
-            raise PairedCacheError(f"unknown mask source {source!r}; known: {sorted(MASK_SOURCES)}")
+        source_class(source)
         check_window(window)
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
@@ -191,6 +220,29 @@ class SparseMLP(nn.Module):
         return out.view(shape).to(x.dtype)
 
 
+def check_mlp(mlp: nn.Module, name: str = "") -> None:
+    """Refuse, before anything is copied, an MLP that SparseMLP cannot take."""
+    what = name or type(mlp).__name__
+    if isinstance(mlp, SparseMLP):
+        raise PairedCacheError(f"{what} is already a SparseMLP: the model is already sparsified")
+    if not is_gated_mlp(mlp):
+        raise PairedCacheError(f"{what} is not a gated MLP (needs {GATED_MLP_PARTS})")
+    parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(getattr(p, "bias", None) is not None for p in parts):
+        raise PairedCacheError("SparseMLP supports bias-free projections only")
+    # The registered parameter, not getattr: a compressed linear's weight property decodes.
+    weights = [getattr(p, "_parameters", {}).get("weight") for p in parts]
+    if any(isinstance(w, torch.Tensor) and w.is_meta for w in weights):
+        raise PairedCacheError(
+            f"{what}: its weights are on the meta device (offloaded by accelerate: a "
+            f"device_map with 'disk' or 'cpu' offload, or init_empty_weights); offloaded "
+            f"weights are not supported, the cache copies them from CPU memory. Load the "
+            f"model without offload (no device_map, or device_map={{'': 'cpu'}}), or keep "
+            f"the MLPs on storage the package's way: paired_cache.convert(MODEL_DIR, POOL) "
+            f"and paired_cache.load_sparse(MODEL_DIR, POOL, ...)"
+        )
+
+
 def check_window(window) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1024:
         raise PairedCacheError(f"window must be an int in [1, 1024] tokens, got {window!r}")
@@ -238,12 +290,36 @@ def sparsify_model(
 ) -> list[SparseMLP]:
     """Replace every gated MLP of model by a SparseMLP in place and return them in order.
 
-    calibration_ids: (1, T) token ids whose MLP inputs fit "lowrank" and "fixed" sources.
+    calibration_ids: (1, T) or (T,) integer token ids, T >= MIN_CALIBRATION_TOKENS, whose
+    MLP inputs fit the "lowrank" and "fixed" sources. Every argument and every MLP is
+    checked before the first one is replaced.
+
+    The sparsified model cannot be saved with save_pretrained or state_dict (they raise:
+    the weights live in the caches) nor moved to another dtype or device (raises); see
+    SAVE_REFUSED for the package's own save path.
     """
+    sparse_already = [name for name, m in model.named_modules() if isinstance(m, SparseMLP)]
     names = [name for name, module in model.named_modules() if is_gated_mlp(module)]
+    if sparse_already:
+        raise PairedCacheError(
+            f"{type(model).__name__} is already sparsified ({len(sparse_already)} SparseMLP "
+            f"modules, e.g. {sparse_already[0]}): sparsify a freshly loaded dense model to "
+            f"change the source or fraction"
+        )
     if not names:
         raise PairedCacheError(
             f"{type(model).__name__} has no gated MLP (modules with {GATED_MLP_PARTS})"
+        )
+    needs_calibration = source_class(source).needs_calibration
+    check_window(window)
+    for name in names:
+        check_mlp(model.get_submodule(name), name)
+    if calibration_ids is not None:
+        calibration_ids = _check_calibration_ids(calibration_ids)
+    elif needs_calibration:
+        raise PairedCacheError(
+            f"mask source {source!r} needs calibration_ids: (1, T) token ids, "
+            f"T >= {MIN_CALIBRATION_TOKENS}"
         )
     calibration = collect_mlp_inputs(model, calibration_ids) if calibration_ids is not None else {}
     replaced = []
@@ -261,4 +337,49 @@ def sparsify_model(
         )
         setattr(parent, child, sparse)
         replaced.append(sparse)
+    guard_sparse_model(model)
     return replaced
+
+
+def _check_calibration_ids(ids) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise PairedCacheError(
+            f"calibration_ids must be an integer tensor of token ids, (1, T) or (T,), got "
+            f"{type(ids).__name__}{'' if not isinstance(ids, torch.Tensor) else ' ' + str(ids.dtype)}"
+        )
+    if ids.dim() == 1:  # one sequence, as a tokenizer's input_ids[0]
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2:
+        raise PairedCacheError(
+            f"calibration_ids must be (1, T) or (T,) token ids, got shape {tuple(ids.shape)}"
+        )
+    if ids.numel() < MIN_CALIBRATION_TOKENS:
+        raise PairedCacheError(
+            f"calibration_ids hold {ids.numel()} tokens; at least {MIN_CALIBRATION_TOKENS} "
+            f"are needed (a few hundred fit better)"
+        )
+    return ids
+
+
+def _refuse_save_pretrained(self, *args, **kwargs):
+    raise PairedCacheError(f"save_pretrained: {SAVE_REFUSED}")
+
+
+def _checked_apply(self, fn, recurse: bool = True):
+    # Every SparseMLP checks fn before any module is converted, so a refused .to() leaves
+    # the whole model as it was (Module._apply would convert the modules before the first
+    # SparseMLP, then raise).
+    for module in self.modules():
+        if isinstance(module, SparseMLP):
+            module.check_move(fn)
+    return type(self)._apply(self, fn, recurse)
+
+
+def guard_sparse_model(model: nn.Module) -> None:
+    """Make model.save_pretrained refuse before it writes anything, and model.to() /
+    .half() / ... check every SparseMLP before converting any module."""
+    if isinstance(model, SparseMLP):
+        return
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = types.MethodType(_refuse_save_pretrained, model)
+    model._apply = types.MethodType(_checked_apply, model)

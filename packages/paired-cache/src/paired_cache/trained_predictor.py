@@ -186,6 +186,8 @@ def save_predictors(
 
     from safetensors.torch import save_file
 
+    from paired_cache.pool_file import umask_mode
+
     path = Path(path)
     tensors = {
         f"{name}.{part}": t.contiguous() for name, w in predictors.items() for part, t in w.items()
@@ -194,6 +196,7 @@ def save_predictors(
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"format": FORMAT, "fraction": repr(float(fraction))})
+        os.chmod(tmp, umask_mode())  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
