@@ -95,4 +95,4 @@ def test_compress_a_model_directory_and_run_it_from_the_file_alone(tmp_path, cap
     # The source was recorded, so --tokenizer is optional; it is the directory, which
     # has no tokenizer here: a clear error, not a traceback.
     assert main(argv) == 2
-    assert "zstd-linear run: error" in capsys.readouterr().err
+    assert "zstd-linear: error: " in capsys.readouterr().err

@@ -11,6 +11,7 @@ import torch.nn as nn
 from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
 from zstd_linear.decoder import check_threads
 from zstd_linear.embedding import CompressedEmbedding
+from zstd_linear.guards import guard, unguard
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.layout import SUPPORTED_DTYPES, dtype_name
 from zstd_linear.policies import POLICIES
@@ -132,6 +133,7 @@ def install(
     for name, module in {**layers, **(embeddings or {})}.items():
         _swap(model, name, module)
     runtime.clock.attach(model)
+    guard(model)
     model.__dict__[RUNTIME_ATTR] = runtime
     return runtime
 
@@ -219,6 +221,7 @@ def compress_model(
 def decompress_model(model: nn.Module) -> nn.Module:
     """Put plain nn.Linear layers (bit-identical weights) back and detach the runtime."""
     runtime = runtime_of(model)
+    unguard(model)
     tables = {}
     for name, table in runtime.embeddings.items():
         restored = nn.Embedding(

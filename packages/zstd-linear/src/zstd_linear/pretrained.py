@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from zstd_linear.errors import CompressedFileError
+from zstd_linear.fileformat import umask_mode
 
 CONFIG_KEY = "zstd_linear_config"
 SOURCE_KEY = "zstd_linear_source"
@@ -56,9 +57,8 @@ def save_companion(
     config = model.config.to_dict()
     tensors = {}
     seen: set[int] = set()
-    for key, tensor in model.state_dict(keep_vars=False).items():
-        module = key.rpartition(".")[0]
-        if module in stored or id(tensor) in seen:
+    for key, tensor in _plain_state_dict(model, stored).items():
+        if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         tensors[key] = tensor.detach().to("cpu").contiguous()
@@ -70,10 +70,21 @@ def save_companion(
         if source is not None:
             metadata[SOURCE_KEY] = str(Path(source).resolve())
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, umask_mode())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _plain_state_dict(model: nn.Module, stored: set[str]) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without the modules named in ``stored`` (the compressed
+    ones, whose state_dict refuses: their weights are in the .zlin file)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name not in stored:
+            module._save_to_state_dict(state, f"{name}." if name else "", False)
+    return state
 
 
 def recorded_source(path: str | os.PathLike) -> str | None:
