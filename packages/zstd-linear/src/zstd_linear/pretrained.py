@@ -83,7 +83,8 @@ def _plain_state_dict(model: nn.Module, stored: set[str]) -> dict[str, torch.Ten
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if name not in stored:
-            module._save_to_state_dict(state, f"{name}." if name else "", False)
+            # keep_vars: the parameters themselves, so that a tie shows as one object.
+            module._save_to_state_dict(state, f"{name}." if name else "", True)
     return state
 
 
@@ -186,7 +187,19 @@ def build_model(path: str | os.PathLike) -> nn.Module:
     unknown = sorted(set(tensors) - expected - set(dict(model.named_buffers())))
     if unknown:
         raise CompressedFileError(f"{companion}: tensors the model does not have: {unknown[:5]}")
+    # A tie (lm_head = embed_tokens) is one parameter under several names, saved once;
+    # assign=True replaces that one name's parameter, so the others are pointed at it.
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
     model.load_state_dict(tensors, strict=False, assign=True)
+    for names in tied.values():
+        saved = [n for n in names if n in tensors]
+        if len(names) > 1 and saved:
+            param = model.get_parameter(saved[0])
+            for name in names:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, param)
     return model
 
 
