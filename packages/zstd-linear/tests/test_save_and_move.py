@@ -97,7 +97,7 @@ def test_save_compressed_round_trips_to_identical_logits(compressed, tmp_path):
 def test_a_toy_models_state_dict_refuses_too():
     model = make_toy()
     compress_model(model, level=1)
-    with pytest.raises(RuntimeError, match="blocks.0.q_proj.weight.*save_compressed"):
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.q_proj\.weight.*save_compressed"):
         model.state_dict()
 
 
@@ -133,7 +133,7 @@ def test_moves_that_change_nothing_work(compressed):
 def test_a_stand_alone_layer_refuses_a_move_and_a_state_dict():
     torch.manual_seed(0)
     layer = CompressedLinear.from_linear(torch.nn.Linear(8, 4), name="l")
-    with pytest.raises(RuntimeError, match="'l'.*float32"):
+    with pytest.raises(RuntimeError, match=r"'l'.*float32"):
         layer.to(torch.bfloat16)
     assert layer.bias.dtype == torch.float32
     with pytest.raises(RuntimeError, match="save_compressed"):
