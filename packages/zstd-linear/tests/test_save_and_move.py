@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import make_toy
+from conftest import make_toy, tiny_llama
 
 from zstd_linear import (
     CompressedLinear,
@@ -18,24 +18,6 @@ from zstd_linear import (
     load_compressed,
     save_compressed,
 )
-
-
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
-
 
 IDS = torch.tensor([[1, 5, 9, 42, 7, 3]])
 

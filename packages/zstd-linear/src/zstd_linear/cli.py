@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import statistics
 import sys
 import time
@@ -109,6 +110,8 @@ def _compress_model_source(args, src: Path) -> int:
 
 def cmd_compress(args) -> int:
     src = Path(args.src)
+    if not src.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such model directory or file", str(src))
     if _is_model_source(src):
         return _compress_model_source(args, src)
     config = CodecConfig(level=args.level, layout=args.layout, chunk_bytes=args.chunk_kib * 1024)

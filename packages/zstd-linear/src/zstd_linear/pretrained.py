@@ -12,6 +12,7 @@ hands the model to ``load_compressed`` for the compressed modules.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -171,6 +172,8 @@ def build_model(path: str | os.PathLike) -> nn.Module:
             "load_compressed without a model builds one with transformers: "
             "pip install 'zstd-linear[hf]'"
         ) from None
+    if not Path(path).is_file():
+        raise FileNotFoundError(errno.ENOENT, "no such .zlin file", str(path))
     companion = companion_path(path)
     if not companion.is_file():
         raise CompressedFileError(
