@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from membound_testing.readme import blocks, run_python_blocks, smollm2_importable
 
 README = Path(__file__).resolve().parents[1] / "README.md"
