@@ -74,3 +74,24 @@ def test_cli_block_runs_in_a_shell(tmp_path):
     assert "total (211 layers)" in out, out  # inspect
     assert "GB/s" in out, out  # bench
     assert "compress [" in result.stderr  # the bar
+
+
+def test_the_root_readmes_usage_cell_runs():
+    """The root README's table shows zstd-linear's one-line usage: it runs as written
+    (on a tiny Llama: the SmolLM2 run of the same call is above) and keeps the logits."""
+    import re
+
+    from conftest import tiny_llama
+
+    import zstd_linear
+
+    root = README.parents[2] / "README.md"
+    (row,) = [line for line in root.read_text().splitlines() if line.startswith("| `zstd-linear`")]
+    code = re.findall(r"`([^`]+)`", row)[1]
+    assert code.startswith("compress_model("), code
+    plain, model = tiny_llama(), tiny_llama()
+    exec(code, {**vars(zstd_linear), "model": model})
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+    assert zstd_linear.compressed_layers(model)
