@@ -38,6 +38,24 @@ class Toy(nn.Module):
         return x
 
 
+def tiny_llama(seed: int = 0):
+    """A 2-layer random Llama with a tied lm_head (a transformers model, like SmolLM2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
 def make_toy(seed: int = 0, **kw) -> Toy:
     torch.manual_seed(seed)
     return Toy(**kw).eval()

@@ -95,4 +95,99 @@ def test_compress_a_model_directory_and_run_it_from_the_file_alone(tmp_path, cap
     # The source was recorded, so --tokenizer is optional; it is the directory, which
     # has no tokenizer here: a clear error, not a traceback.
     assert main(argv) == 2
-    assert "zstd-linear run: error" in capsys.readouterr().err
+    assert "zstd-linear: error: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["compress", "run", "inspect", "bench"])
+def test_help_shows_every_default(command, capsys, monkeypatch):
+    import re
+
+    from zstd_linear.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    # One entry per option: from its "  --name" line to the next option's.
+    parts = re.split(r"\n(?=  -)", out.split("options:")[1])
+    entries = {e.split()[0].rstrip(","): " ".join(e.split()) for e in parts if e.strip()}
+    for action in options:
+        entry = entries[action.option_strings[0]]
+        assert action.help, action.option_strings  # nothing undocumented
+        if action.required or action.default in (None, []):
+            assert "(default: None)" not in entry and "(default: [])" not in entry, entry
+        else:
+            assert f"(default: {action.default})" in entry, entry
+    if command == "compress":
+        assert "(default: exponent)" in out and "(default: 3)" in out
+    if command == "run":
+        assert "(default: per_pass_prefetch)" in out
+
+
+def test_choices_come_from_the_registries():
+    from zstd_linear import LAYOUTS, POLICIES
+    from zstd_linear.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    layout = next(a for a in commands["compress"]._actions if a.dest == "layout")
+    policy = next(a for a in commands["run"]._actions if a.dest == "policy")
+    assert list(layout.choices) == sorted(LAYOUTS)
+    assert list(policy.choices) == sorted(POLICIES)
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """A whole tiny Llama saved as .zlin + companion."""
+    from conftest import tiny_llama
+
+    from zstd_linear import compress_model, save_compressed
+
+    model = tiny_llama()
+    compress_model(model, level=1, embeddings=True)
+    path = tmp_path_factory.mktemp("saved") / "tiny.zlin"
+    save_compressed(model, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compress", "notes.txt", "o.zlin"], "notes.txt is not a safetensors file"),
+        (["compress", "junk.gguf", "o.zlin"], "not a GGUF file"),
+        (["compress", "missing", "o.zlin"], "no such model directory or file: 'missing'"),
+        (["run", "missing.zlin", "--prompt", "hi"], "no such .zlin file: 'missing.zlin'"),
+        (["run", "damaged.zlin", "--prompt", "hi"], "damaged.zlin: truncated"),
+        (["run", "notes.txt", "--prompt", "hi"], "no notes.txt.safetensors beside it"),
+        (["inspect", "damaged.zlin"], "damaged.zlin: truncated"),
+        (["inspect", "missing.zlin"], "No such file or directory: 'missing.zlin'"),
+        (["bench", "flipped.zlin"], "flipped.zlin"),
+    ],
+)
+def test_expected_errors_are_one_line_with_exit_status_2(
+    argv, message, saved_tiny, tmp_path, capsys, monkeypatch
+):
+    """A non-model file, a missing one, a damaged .zlin: ``zstd-linear: error: ...``."""
+    import shutil
+
+    from zstd_linear import companion_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("Not a model.\n")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    data = saved_tiny.read_bytes()
+    (tmp_path / "damaged.zlin").write_bytes(data[: len(data) // 2])
+    shutil.copy(companion_path(saved_tiny), "damaged.zlin.safetensors")
+    flipped = bytearray(data)
+    flipped[-100] ^= 0xFF  # inside the last frame or bias
+    (tmp_path / "flipped.zlin").write_bytes(bytes(flipped))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("zstd-linear")]
+    assert len(lines) == 1 and lines[0].startswith("zstd-linear: error: "), err
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "o.zlin").exists()

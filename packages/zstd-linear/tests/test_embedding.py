@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from conftest import NEW_TOKENS, generate
@@ -118,6 +119,12 @@ def test_smollm2_with_its_tied_embedding_compressed_gives_identical_logits(
 
     # The whole model from the file: built on the meta device from the config kept
     # beside it, the rest (norms, the Linear layers left plain) mapped from there.
+    # save_pretrained would lose the compressed weights: it refuses, writing nothing
+    # (the listing below), and names the way that works.
+    with pytest.raises(RuntimeError, match=r"zstd_linear\.save_compressed"):
+        model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(RuntimeError, match=r"zstd_linear\.save_compressed"):
+        model.state_dict()
     path = tmp_path / "smollm2.zlin"
     save_compressed(model, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import statistics
 import sys
 import time
@@ -33,11 +34,18 @@ def _safetensors_files(src: Path) -> list[Path]:
 
 def _load_linear_tensors(src: Path, include: list[str], exclude: list[str]):
     """name -> (weight, bias or None) for 2-D float ``<name>.weight`` tensors."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(src):
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except SafetensorError as exc:
+            raise ValueError(
+                f"{f} is not a safetensors file ({exc}); SRC must be a Hugging Face model "
+                "directory (config.json), a .gguf file, or .safetensors files"
+            ) from None
     floats = {t for t, _ in SUPPORTED_DTYPES.values()}
     chosen = {}
     for key, tensor in tensors.items():
@@ -102,6 +110,8 @@ def _compress_model_source(args, src: Path) -> int:
 
 def cmd_compress(args) -> int:
     src = Path(args.src)
+    if not src.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such model directory or file", str(src))
     if _is_model_source(src):
         return _compress_model_source(args, src)
     config = CodecConfig(level=args.level, layout=args.layout, chunk_bytes=args.chunk_kib * 1024)
@@ -194,13 +204,25 @@ def cmd_bench(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default but for required options and those with none (None, [])."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default is None or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zstd-linear", description="Lossless zstd-compressed Linear weights."
+        prog="zstd-linear",
+        description="Lossless zstd-compressed Linear weights.",
+        formatter_class=_HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "compress",
+        formatter_class=_HelpFormatter,
         help="compress a model (HF directory or GGUF: Linear layers and embeddings, loadable "
         "alone) or the Linear weights of a safetensors checkpoint",
     )
@@ -210,39 +232,70 @@ def build_parser() -> argparse.ArgumentParser:
         ".safetensors file / directory of them (tensors only)",
     )
     c.add_argument("out", help="the .zlin file to write")
-    c.add_argument("--include", action="append", default=[], help="glob over layer names")
-    c.add_argument("--exclude", action="append", default=[], help="glob, e.g. '*embed*'")
-    c.add_argument("--level", type=int, default=3)
-    c.add_argument("--layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT)
-    c.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_BYTES // 1024)
-    c.add_argument("--threads", type=int, default=default_threads())
+    c.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        help="compress only layers matching this glob (repeatable; default: every one)",
+    )
+    c.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        help="skip layers matching this glob, e.g. '*embed*'",
+    )
+    c.add_argument("--level", type=int, default=3, help="zstd level")
+    c.add_argument(
+        "--layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT, help="byte-plane layout"
+    )
+    c.add_argument(
+        "--chunk-kib",
+        type=int,
+        default=DEFAULT_CHUNK_BYTES // 1024,
+        help="chunk size in KiB (the unit of parallel decoding)",
+    )
+    c.add_argument("--threads", type=int, default=default_threads(), help="encoding threads")
     c.set_defaults(func=cmd_compress)
-    r = sub.add_parser("run", help="greedy generation from a .zlin file and its companion")
-    r.add_argument("file")
-    r.add_argument("--prompt", required=True)
-    r.add_argument("--max-new-tokens", type=int, default=32)
-    r.add_argument("--policy", choices=sorted(POLICIES), default="per_pass_prefetch")
-    r.add_argument("--threads", type=int, default=default_threads())
+    r = sub.add_parser(
+        "run",
+        help="greedy generation from a .zlin file and its companion",
+        formatter_class=_HelpFormatter,
+    )
+    r.add_argument("file", help="a .zlin file written with its companion .safetensors")
+    r.add_argument("--prompt", required=True, help="the text to continue (or to answer)")
+    r.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
+    r.add_argument(
+        "--policy", choices=sorted(POLICIES), default="per_pass_prefetch", help="caching policy"
+    )
+    r.add_argument("--threads", type=int, default=default_threads(), help="decoding threads")
     r.add_argument("--tokenizer", help="tokenizer directory (default: the recorded source)")
     r.add_argument("--chat", action="store_true", help="apply the chat template")
     r.set_defaults(func=cmd_run)
-    i = sub.add_parser("inspect", help="per-layer table of a .zlin file")
-    i.add_argument("file")
+    i = sub.add_parser(
+        "inspect", help="per-layer table of a .zlin file", formatter_class=_HelpFormatter
+    )
+    i.add_argument("file", help="a .zlin file")
     i.set_defaults(func=cmd_inspect)
-    b = sub.add_parser("bench", help="decode throughput of a .zlin file")
-    b.add_argument("file")
-    b.add_argument("--threads", type=int, default=default_threads())
-    b.add_argument("--repeats", type=int, default=5)
+    b = sub.add_parser(
+        "bench", help="decode throughput of a .zlin file", formatter_class=_HelpFormatter
+    )
+    b.add_argument("file", help="a .zlin file")
+    b.add_argument("--threads", type=int, default=default_threads(), help="decoding threads")
+    b.add_argument("--repeats", type=int, default=5, help="timed runs (the median is shown)")
     b.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:
-        print(f"zstd-linear {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as exc:
+        # Expected failures (a bad or damaged file, a missing one, a missing extra; the
+        # package's CompressedFileError and DecodeError are ValueErrors): one line, exit
+        # 2, as argparse reports a bad argument.
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -4,13 +4,13 @@ by the chunk that holds them."""
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from zstd_linear.codec import EncodedWeight
+from zstd_linear.compressed import CompressedModule
 from zstd_linear.decoder import Decoder
 
 
-class CompressedEmbedding(nn.Module):
+class CompressedEmbedding(CompressedModule):
     """Drop-in for a plain nn.Embedding (no max_norm): ``table[ids]``, bit for bit.
 
     input_ids: (...) int64 in [0, num_embeddings); returns (..., embedding_dim), the
@@ -71,18 +71,5 @@ class CompressedEmbedding(nn.Module):
         self._decoder.decode_chunk_into(self.encoded, c, raw)
         return raw.view(self.encoded.torch_dtype)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A freshly decoded copy of the table, (num_embeddings, embedding_dim)."""
-        return self._decoder.decode(self.encoded)
-
-    @property
-    def compressed_bytes(self) -> int:
-        return self.encoded.compressed_bytes
-
-    def extra_repr(self) -> str:
-        e = self.encoded
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}, dtype={e.dtype}, "
-            f"ratio={e.original_bytes / max(1, e.compressed_bytes):.3f}"
-        )
+    def _shape_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"

@@ -60,6 +60,14 @@ __all__ = ["FORMAT_VERSION", "MAGIC", "CompressedFileError", "read_file", "write
 Entry = tuple[str, EncodedWeight, "torch.Tensor | None"]
 
 
+def umask_mode() -> int:
+    """The mode a plain ``open(path, "w")`` would give a new file under this process's
+    umask (mkstemp's 0600 would hide the output from everyone else)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
     """Write ``entries`` (name, encoded weight, bias (out,) or None) atomically."""
     path = Path(path)
@@ -112,6 +120,7 @@ def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), umask_mode())
             f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header)))
             f.write(header)
             for blob in blobs:

@@ -9,11 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zstd_linear.codec import CodecConfig, EncodedWeight, encode_weight
-from zstd_linear.decoder import Decoder
+from zstd_linear.compressed import CompressedModule
 from zstd_linear.layout import dtype_name
 
 
-class CompressedLinear(nn.Module):
+class CompressedLinear(CompressedModule):
     """Drop-in for nn.Linear: ``y = x @ W.T + b`` with W decoded losslessly on demand.
 
     x: (..., in_features), the weight's dtype; returns (..., out_features). The bias
@@ -80,20 +80,8 @@ class CompressedLinear(nn.Module):
         finally:
             policy.release(self)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A freshly decoded copy of the weight, (out_features, in_features): costs a
-        full decode and allocation, and is not tracked by the caching policy."""
-        return Decoder(threads=1).decode(self.encoded)
-
-    @property
-    def compressed_bytes(self) -> int:
-        return self.encoded.compressed_bytes
-
-    def extra_repr(self) -> str:
-        e = self.encoded
+    def _shape_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, dtype={e.dtype}, layout={e.layout}, "
-            f"ratio={e.original_bytes / max(1, e.compressed_bytes):.3f}"
+            f"bias={self.bias is not None}"
         )

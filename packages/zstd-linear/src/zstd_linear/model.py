@@ -11,6 +11,7 @@ import torch.nn as nn
 from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
 from zstd_linear.decoder import check_threads
 from zstd_linear.embedding import CompressedEmbedding
+from zstd_linear.guards import guard, unguard
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.layout import SUPPORTED_DTYPES, dtype_name
 from zstd_linear.policies import POLICIES
@@ -20,6 +21,9 @@ from zstd_linear.runtime import ModelRuntime
 from zstd_linear.stats import DecodeStats
 
 RUNTIME_ATTR = "zstd_linear_runtime"
+# compress_model draws its progress bar by default from this many bytes of weights on
+# (~10 s of encoding: the optimal parser runs at ~10 MB/s per core).
+PROGRESS_MIN_BYTES = 64 << 20
 
 
 def _patterns(value, param: str) -> list[str]:
@@ -132,6 +136,7 @@ def install(
     for name, module in {**layers, **(embeddings or {})}.items():
         _swap(model, name, module)
     runtime.clock.attach(model)
+    guard(model)
     model.__dict__[RUNTIME_ATTR] = runtime
     return runtime
 
@@ -165,7 +170,7 @@ def compress_model(
     layout: str = DEFAULT_LAYOUT,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     embeddings: bool = False,
     **policy_options,
 ) -> CompressionReport:
@@ -178,7 +183,9 @@ def compress_model(
     CompressedLinear over the same compressed table, stored once. policy: a POLICIES name; policy_options go to it
     (``window`` for per_pass_prefetch; ``budget_bytes`` or ``memory_limit``, and
     ``window``, for budget). threads: decode and compression threads (default
-    min(2, cores)). Everything is validated before the model changes.
+    min(2, cores)). progress: a bar on stderr, drawn before the first layer is encoded
+    (default None: on when the weights to encode exceed PROGRESS_MIN_BYTES, 64 MiB,
+    about 10 s at ~10 MB/s per core). Everything is validated before the model changes.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -195,6 +202,8 @@ def compress_model(
     for name in tables:
         check_embedding(name, model.get_submodule(name))
     modules = [model.get_submodule(name) for name in names + tables]
+    if progress is None:
+        progress = sum(m.weight.nbytes for m in modules) >= PROGRESS_MIN_BYTES
     bar = ProgressBar(len(modules)) if progress else None
     layers: dict[str, CompressedLinear] = {}
     compressed_tables: dict[str, CompressedEmbedding] = {}
@@ -219,6 +228,7 @@ def compress_model(
 def decompress_model(model: nn.Module) -> nn.Module:
     """Put plain nn.Linear layers (bit-identical weights) back and detach the runtime."""
     runtime = runtime_of(model)
+    unguard(model)
     tables = {}
     for name, table in runtime.embeddings.items():
         restored = nn.Embedding(

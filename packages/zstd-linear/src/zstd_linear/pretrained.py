@@ -12,6 +12,7 @@ hands the model to ``load_compressed`` for the compressed modules.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from zstd_linear.errors import CompressedFileError
+from zstd_linear.fileformat import umask_mode
 
 CONFIG_KEY = "zstd_linear_config"
 SOURCE_KEY = "zstd_linear_source"
@@ -56,9 +58,8 @@ def save_companion(
     config = model.config.to_dict()
     tensors = {}
     seen: set[int] = set()
-    for key, tensor in model.state_dict(keep_vars=False).items():
-        module = key.rpartition(".")[0]
-        if module in stored or id(tensor) in seen:
+    for key, tensor in _plain_state_dict(model, stored).items():
+        if id(tensor) in seen:
             continue
         seen.add(id(tensor))
         tensors[key] = tensor.detach().to("cpu").contiguous()
@@ -70,10 +71,22 @@ def save_companion(
         if source is not None:
             metadata[SOURCE_KEY] = str(Path(source).resolve())
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, umask_mode())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _plain_state_dict(model: nn.Module, stored: set[str]) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without the modules named in ``stored`` (the compressed
+    ones, whose state_dict refuses: their weights are in the .zlin file)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name not in stored:
+            # keep_vars: the parameters themselves, so that a tie shows as one object.
+            module._save_to_state_dict(state, f"{name}." if name else "", True)
+    return state
 
 
 def recorded_source(path: str | os.PathLike) -> str | None:
@@ -159,6 +172,8 @@ def build_model(path: str | os.PathLike) -> nn.Module:
             "load_compressed without a model builds one with transformers: "
             "pip install 'zstd-linear[hf]'"
         ) from None
+    if not Path(path).is_file():
+        raise FileNotFoundError(errno.ENOENT, "no such .zlin file", str(path))
     companion = companion_path(path)
     if not companion.is_file():
         raise CompressedFileError(
@@ -175,7 +190,19 @@ def build_model(path: str | os.PathLike) -> nn.Module:
     unknown = sorted(set(tensors) - expected - set(dict(model.named_buffers())))
     if unknown:
         raise CompressedFileError(f"{companion}: tensors the model does not have: {unknown[:5]}")
+    # A tie (lm_head = embed_tokens) is one parameter under several names, saved once;
+    # assign=True replaces that one name's parameter, so the others are pointed at it.
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
     model.load_state_dict(tensors, strict=False, assign=True)
+    for names in tied.values():
+        saved = [n for n in names if n in tensors]
+        if len(names) > 1 and saved:
+            param = model.get_parameter(saved[0])
+            for name in names:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, param)
     return model
 
 
