@@ -45,8 +45,9 @@ def test_engine_rejects_a_pte_exported_for_another_config(pte_paths):
 
 def test_engine_rejects_prompts_past_its_cache(config, pte_paths):
     engine = PteEngine(pte_paths["block_kv"])
+    prompt = [i % 60 for i in range(70)]  # in the vocabulary of 64, no mask or EOS token
     with pytest.raises(ValueError, match="more than max_seq 64"):
-        engine.generate(list(range(70)), GenerationConfig(max_new_tokens=4))
+        engine.generate(prompt, GenerationConfig(max_new_tokens=4))
     assert engine.backend.cache_len == 0
 
 

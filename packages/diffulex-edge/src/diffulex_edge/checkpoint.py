@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from diffulex_edge.config import SDARConfig
 from diffulex_edge.errors import DiffulexEdgeError
+from diffulex_edge.files import umask_mode
 from diffulex_edge.model import SDARModel
 from diffulex_edge.safetensors_header import read_header
 
@@ -329,7 +330,7 @@ def _atomic(target: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is meant to be shared
+        os.chmod(tmp, umask_mode())  # mkstemp creates 0600
         os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)

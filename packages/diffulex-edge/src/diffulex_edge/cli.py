@@ -22,10 +22,17 @@ DIFFUSION_DEFAULTS = {"block_size": 4, "max_seq": 64, "prefill_size": None}
 AUTOREGRESSIVE_DEFAULTS = {"block_size": 1, "max_seq": 256, "prefill_size": 32}
 
 
+TINY_NOTE = (
+    "diffulex-edge: note: --tiny is a seeded random model (untrained weights): its tokens "
+    "are noise, for checking the pipeline, not for reading"
+)
+
+
 def _model(args):
     from diffulex_edge.model import random_model
 
     if args.tiny:
+        print(TINY_NOTE, file=sys.stderr)
         return random_model(tiny_config(), seed=0)
     if args.gguf:
         from diffulex_edge.hf_import import load_gguf
@@ -39,35 +46,48 @@ def _add_source(p, with_pte: bool) -> None:
         "model_dir",
         nargs="?",
         help="Hugging Face-layout directory: SDAR, Llama, Qwen2 or Qwen3 (config.json + "
-        "safetensors)",
+        f"safetensors) (default: the bundled trained sorting model, {TRAINED})",
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--checkpoint", help="the same as MODEL_DIR")
     group.add_argument("--gguf", help="a GGUF file (dequantised by transformers; the hf extra)")
-    group.add_argument("--tiny", action="store_true", help="a seeded random tiny config")
+    group.add_argument(
+        "--tiny", action="store_true", help="a seeded random tiny config (untrained: noise)"
+    )
     if with_pte:
         group.add_argument("--pte", help="an exported diffulex-edge .pte")
     p.epilog = f"With no source, the bundled trained model ({TRAINED}) is used."
 
 
 def _tokenizer(args):
-    """The Hugging Face tokenizer of --tokenizer, else of MODEL_DIR when it has one."""
-    directory = args.tokenizer
-    if directory is None:
-        source = args.model_dir or args.checkpoint
-        if source is not None and (Path(source) / "tokenizer.json").is_file():
-            directory = source
-    if directory is None:
+    """The Hugging Face tokenizer of --tokenizer (a directory or a GGUF file), else of
+    MODEL_DIR or --gguf when they have one."""
+    source = args.tokenizer
+    if source is None:
+        model_dir = args.model_dir or args.checkpoint
+        if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+            source = model_dir
+        elif args.gguf is not None:
+            source = args.gguf
+    if source is None:
         return None
-    if not (Path(directory) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"--tokenizer {directory} has no tokenizer.json")
+    source = Path(source)
+    is_gguf = source.suffix == ".gguf"
+    if is_gguf and not source.is_file():
+        raise FileNotFoundError(f"--tokenizer {source}: no such GGUF file")
+    if not is_gguf and not (source / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"--tokenizer {source} is neither a directory with a tokenizer.json nor a .gguf file"
+        )
     try:
-        from transformers import PreTrainedTokenizerFast
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
     except ImportError as err:
         raise ValueError(
             "a text tokenizer needs transformers: pip install 'diffulex-edge[hf]'"
         ) from err
-    return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    if is_gguf:
+        return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    return PreTrainedTokenizerFast.from_pretrained(str(source))
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -86,6 +106,8 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
         )
+        # The template already holds the special tokens: add none (some tokenizers add a BOS).
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(text)["input_ids"]
 
 
@@ -125,18 +147,30 @@ def cmd_generate(args) -> None:
 
         engine = PteEngine(args.pte, allow_unverified=args.allow_unverified)
         result = engine.generate(prompt, config)
+        c_eos = engine.eos_token_id
     else:
         from diffulex_edge.backends import EagerDynamic
-        from diffulex_edge.generate import generate, generate_autoregressive
+        from diffulex_edge.generate import check_token_ids, generate, generate_autoregressive
 
         model = _model(args)
         c = model.config
+        c_eos = c.eos_token_id
+        check_token_ids(prompt, c.vocab_size)
         if c.mask_token_id is None:
             backend = EagerDynamic(model, 1)
             result = generate_autoregressive(backend, prompt, config, c.eos_token_id)
         else:
             backend = EagerDynamic(model, args.block_size)
             result = generate(backend, prompt, config, c.mask_token_id, c.eos_token_id)
+    if not result.tokens:
+        eos = "" if c_eos is None else f" (token {c_eos})"
+        print(
+            f"diffulex-edge: note: no tokens generated: the model's first token was its "
+            f"end-of-sequence token{eos}. Check that the prompt has the form the model was "
+            "trained on (the bundled sorting model: 8 digits, then the separator 10, e.g. "
+            "--prompt-ids 3,1,4,1,5,9,2,6,10 or --prompt 31415926)",
+            file=sys.stderr,
+        )
     if args.prompt is None:
         print(result.tokens)
     elif tokenizer is not None:
@@ -177,37 +211,73 @@ def cmd_bench(args) -> None:
             )
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in --help; an option whose help already states its default
+    (one that depends on the model) is left as written."""
+
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffulex-edge", description=__doc__)
+    formatter = _HelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="diffulex-edge", description=__doc__, formatter_class=formatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("export", help="export a model to an ExecuTorch .pte (XNNPACK)")
+    p = sub.add_parser(
+        "export", help="export a model to an ExecuTorch .pte (XNNPACK)", formatter_class=formatter
+    )
     _add_source(p, with_pte=False)
-    p.add_argument("-o", "--output", required=True)
-    p.add_argument("--variant", choices=sorted(EXPORT_VARIANTS), default="block_kv")
-    p.add_argument("--max-seq", type=int, default=None, help="default 64 (SDAR), 256 (Llama)")
-    p.add_argument("--block-size", type=int, default=None, help="default 4 (SDAR), 1 (Llama)")
+    p.add_argument("-o", "--output", required=True, help="the .pte to write")
+    p.add_argument(
+        "--variant",
+        choices=sorted(EXPORT_VARIANTS),
+        default="block_kv",
+        help="the graph (EXPORT_VARIANTS)",
+    )
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        default=None,
+        help="static cache length, at most the model's max_position_embeddings (default: 64 "
+        "for SDAR, 256 for a model without a mask token; never above the model's maximum)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block (default: 4 for SDAR, 1 for a model without a mask token)",
+    )
     p.add_argument(
         "--prefill-size",
         type=int,
         default=None,
-        help="tokens per causal prefill chunk (a second method; block_kv only; 0 = none); "
-        "default 32 for a model without a mask token, none for SDAR",
+        help="tokens per causal prefill chunk (a second method; block_kv only; 0 = none) "
+        "(default: 32 for a model without a mask token, none for SDAR)",
     )
-    p.add_argument("--quantize", choices=QUANTIZATIONS, default=None)
+    p.add_argument(
+        "--quantize", choices=QUANTIZATIONS, default=None, help="weights (default: fp32)"
+    )
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("generate", help="block-diffusion generation (eager or .pte)")
+    p = sub.add_parser(
+        "generate", help="block-diffusion generation (eager or .pte)", formatter_class=formatter
+    )
     _add_source(p, with_pte=True)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
         "--prompt", help="text (with a tokenizer), else digits for the sorting model, e.g. 31415926"
     )
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 3,1,4,10")
     p.add_argument(
         "--tokenizer",
-        help="a Hugging Face model directory whose tokenizer.json encodes --prompt and decodes "
-        "the answer (default: MODEL_DIR's, when it has one)",
+        help="a Hugging Face model directory with a tokenizer.json, or a .gguf file, that "
+        "encodes --prompt and decodes the answer (default: MODEL_DIR's or --gguf's, when "
+        "there is one)",
     )
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     p.add_argument(
@@ -216,30 +286,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a .pte that has no integrity record or fails it (a damaged program can "
         "crash the process)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=12, help="at most this many tokens")
     p.add_argument("--block-size", type=int, default=4, help="eager only; a .pte fixes its own")
-    p.add_argument("--remasking", choices=sorted(REMASKING), default="low_confidence_dynamic")
-    p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--remasking",
+        choices=sorted(REMASKING),
+        default="low_confidence_dynamic",
+        help="which masked positions a denoising step fills (REMASKING)",
+    )
+    p.add_argument("--threshold", type=float, default=0.9, help="low_confidence_dynamic's bar")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    p.add_argument("--seed", type=int, default=None, help="for sampling (default: unseeded)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="eager vs .pte decode speed on the bundled model")
-    p.add_argument("--prompts", type=int, default=20)
+    p = sub.add_parser(
+        "bench", help="eager vs .pte decode speed on the bundled model", formatter_class=formatter
+    )
+    p.add_argument("--prompts", type=int, default=20, help="random 8-digit prompts")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for eager")
-    p.add_argument("--remasking", choices=sorted(REMASKING), default="low_confidence_dynamic")
+    p.add_argument(
+        "--remasking",
+        choices=sorted(REMASKING),
+        default="low_confidence_dynamic",
+        help="REMASKING",
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"diffulex-edge {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as err:
+        # Expected failures (DiffulexEdgeError is a ValueError: a bad value, a damaged or
+        # foreign file, a program ExecuTorch would not load; OSError: a missing file): one
+        # line, exit status 2, as argparse reports a bad argument.
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from diffulex_edge.errors import DiffulexEdgeError
+from diffulex_edge.files import umask_mode
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
 from diffulex_edge.model import SDARModel
@@ -182,9 +183,6 @@ def export_pte(
     Any failure of the toolchain propagates; each file is written to a temp name and
     renamed, the program first, so a record never describes a program not yet in place.
     """
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
-
     if variant not in EXPORT_VARIANTS:
         raise DiffulexEdgeError(
             f"variant must be one of {sorted(EXPORT_VARIANTS)}, got {variant!r}"
@@ -203,10 +201,15 @@ def export_pte(
         except ValueError as err:
             raise DiffulexEdgeError(f"prefill_size {prefill_size!r}: {err}") from err
     if max_seq > model.config.max_position_embeddings:
+        limit = model.config.max_position_embeddings
         raise DiffulexEdgeError(
-            f"max_seq {max_seq} exceeds the model's max_position_embeddings "
-            f"{model.config.max_position_embeddings}"
+            f"max_seq {max_seq} exceeds the model's max_position_embeddings {limit} (the "
+            f"longest sequence it was built for): export with max_seq <= {limit} "
+            f"(the CLI's --max-seq {limit})"
         )
+    from diffulex_edge.executorch_import import lowering
+
+    to_edge_transform_and_lower, XnnpackPartitioner = lowering()
     graph_cls = EXPORT_VARIANTS[variant]
     config = model.config
     metadata = program_metadata(
@@ -240,7 +243,7 @@ def export_pte(
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(buffer)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a program is meant to be shared
+        os.chmod(tmp, umask_mode())  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -64,6 +64,19 @@ class GenerationResult:
         return self.decoded_tokens / max(self.denoise_forwards + self.commit_forwards, 1)
 
 
+def check_token_ids(prompt_ids: list[int] | torch.Tensor, vocab_size: int) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` before they index an embedding (an
+    out-of-range index is an IndexError in eager PyTorch, and undefined inside a .pte)."""
+    prompt = torch.as_tensor(prompt_ids).flatten()
+    if prompt.is_floating_point() or prompt.dtype == torch.bool:
+        raise ValueError(f"prompt_ids must be integer token ids, got dtype {prompt.dtype}")
+    bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
+    if bad.numel():
+        raise ValueError(
+            f"prompt_ids holds {bad[:5].tolist()}, outside the model's vocabulary [0, {vocab_size})"
+        )
+
+
 def generate(
     backend: Backend,
     prompt_ids: list[int] | torch.Tensor,

@@ -25,6 +25,7 @@ from diffulex_edge.export import (
     QUANTIZATIONS,
     program_metadata,
 )
+from diffulex_edge.files import umask_mode
 
 RECORD_FORMAT = "diffulex-edge-pte-record"
 RECORD_VERSION = 2
@@ -81,7 +82,7 @@ def write_record(
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, umask_mode())  # mkstemp creates 0600
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):

@@ -24,6 +24,7 @@ from diffulex_edge.export import (
 from diffulex_edge.generate import (
     GenerationConfig,
     GenerationResult,
+    check_token_ids,
     generate,
     generate_autoregressive,
 )
@@ -125,7 +126,12 @@ class PteEngine:
                     f"{path}: its metadata names a prefill of {prefill_size} tokens but the "
                     f"program has no {PREFILL_METHOD!r} method"
                 )
-            prefill = self.program.load_method(PREFILL_METHOD)
+            try:
+                prefill = self.program.load_method(PREFILL_METHOD)
+            except RuntimeError as err:
+                raise DiffulexEdgeError(
+                    f"ExecuTorch could not load {path}'s {PREFILL_METHOD}: {err}"
+                ) from err
             prefill_step = method_step(prefill)
         try:
             self.backend = StaticBackend(
@@ -135,8 +141,9 @@ class PteEngine:
             raise DiffulexEdgeError(f"{path}: {err}") from err
 
     def _load(self, data: bytes):
-        from executorch.runtime import Runtime
+        from diffulex_edge.executorch_import import runtime
 
+        Runtime = runtime()
         try:
             return Runtime.get().load_program(data)
         except RuntimeError as err:
@@ -220,6 +227,7 @@ class PteEngine:
     def generate(self, prompt_ids, config: GenerationConfig) -> GenerationResult:
         """Block diffusion for a program with a mask token; otherwise (an autoregressive
         model such as Llama) next-token decoding, which needs block size 1."""
+        check_token_ids(prompt_ids, self.meta["vocab_size"])
         if self.mask_token_id < 0:
             if self.layout.block_size != 1:
                 raise DiffulexEdgeError(
