@@ -3,6 +3,7 @@
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,50 @@ def test_cli_refuses_an_unverified_pte_unless_told(pte_paths, tmp_path, capsys):
     assert cli_main(argv) == 2
     assert "allow_unverified" in capsys.readouterr().err
     assert cli_main([*argv, "--allow-unverified"]) == 0
+
+
+def _rss_anon_bytes() -> int:
+    import re
+
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def test_the_program_is_mapped_from_its_file_not_copied(smollm2_pte, monkeypatch):
+    """Loading SmolLM2's 626 MiB program adds file-backed pages, not an anonymous copy:
+    under a memory limit the kernel can evict them (0.3 read the bytes into memory and
+    ExecuTorch kept them for the program's life)."""
+    from diffulex_edge import runtime
+
+    grown = []
+    load = runtime.PteEngine._load
+
+    def measured(self, path):
+        before = _rss_anon_bytes()
+        program = load(self, path)
+        grown.append(_rss_anon_bytes() - before)
+        return program
+
+    monkeypatch.setattr(runtime.PteEngine, "_load", measured)
+    engine = runtime.PteEngine(smollm2_pte)
+    assert engine.verified and engine.pte_bytes > 600 * 2**20
+    assert grown[0] < 0.1 * engine.pte_bytes, grown
+
+
+def test_a_program_replaced_during_loading_is_refused(pte_paths, tmp_path, monkeypatch):
+    path = tmp_path / "p.pte"
+    source = pte_paths["block_kv"]
+    shutil.copy(source, path)
+    shutil.copy(source.with_name(source.name + ".json"), tmp_path / "p.pte.json")
+    load = runtime.PteEngine._load
+
+    def replaced_meanwhile(self, p):
+        program = load(self, p)
+        copy = tmp_path / "copy"
+        shutil.copy(path, copy)
+        copy.replace(path)  # same bytes, new inode: a replaced file
+        return program
+
+    monkeypatch.setattr(runtime.PteEngine, "_load", replaced_meanwhile)
+    with pytest.raises(DiffulexEdgeError, match="changed while it was being loaded"):
+        runtime.PteEngine(path)

@@ -173,19 +173,32 @@ def _validate(path: Path, body: dict) -> PteRecord:
     return PteRecord(body["pte_bytes"], body["pte_sha256"], variant, quantize, config, meta)
 
 
-def read_verified_program(pte_path: Path) -> tuple[bytes, PteRecord]:
-    """The bytes of ``pte_path``, read once, whose size and SHA-256 match its record."""
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime_ns): what changes when a file is replaced or rewritten."""
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def verify_program_file(pte_path: Path) -> tuple[PteRecord, tuple[int, int, int, int]]:
+    """Check that ``pte_path``'s size and SHA-256 match its record, reading the file in
+    1 MiB pieces (page cache only: nothing the size of the program stays in memory).
+    Returns the record and the file's identity at the check (:func:`file_identity`), which
+    the caller compares again once ExecuTorch has mapped the file."""
     record = read_record(pte_path)
-    size = pte_path.stat().st_size
-    if size != record.pte_bytes:
+    identity = file_identity(pte_path)
+    if identity[2] != record.pte_bytes:
         raise DiffulexEdgeError(
-            f"{pte_path} is {size} bytes, its record {record_path(pte_path).name} says "
+            f"{pte_path} is {identity[2]} bytes, its record {record_path(pte_path).name} says "
             f"{record.pte_bytes}: the program was changed after export"
         )
-    data = pte_path.read_bytes()
-    if len(data) != record.pte_bytes or hashlib.sha256(data).hexdigest() != record.pte_sha256:
+    digest, size = hashlib.sha256(), 0
+    with open(pte_path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    if size != record.pte_bytes or digest.hexdigest() != record.pte_sha256:
         raise DiffulexEdgeError(
             f"{pte_path} does not match the SHA-256 in {record_path(pte_path).name}: the "
             "program was changed after export"
         )
-    return data, record
+    return record, identity

@@ -29,7 +29,7 @@ from diffulex_edge.generate import (
     generate_autoregressive,
 )
 from diffulex_edge.kv_cache import StaticCacheLayout
-from diffulex_edge.pte_record import read_verified_program, record_path
+from diffulex_edge.pte_record import file_identity, record_path, verify_program_file
 
 _VARIANT_BY_ID = {cls.variant_id: name for name, cls in EXPORT_VARIANTS.items()}
 
@@ -48,9 +48,15 @@ class PteEngine:
     """Load a diffulex ``.pte`` and generate with it.
 
     The program must match its integrity record ``<path>.json`` (written by
-    :func:`export_pte`): its size and SHA-256 are checked on the bytes read, which are the
-    bytes ExecuTorch then loads. A program without a record, or that fails the check, is
-    refused with :class:`DiffulexEdgeError`. ``allow_unverified=True`` loads it anyway: the
+    :func:`export_pte`): its size and SHA-256 are checked by reading the file once, then
+    ExecuTorch maps the file itself, so the program's bytes are file-backed pages the kernel
+    can evict under a memory limit, not an anonymous copy (626 MiB for SmolLM2 in float32).
+    The file's identity (device, inode, size, mtime) must be the same after the mapping as
+    at the check, else the engine refuses it: a file replaced or rewritten in between is
+    caught; one rewritten in place with its size and mtime forged is not, and a file
+    changed while the engine runs changes the program (as with any memory-mapped model).
+    A program without a record, or that fails the check, is refused with
+    :class:`DiffulexEdgeError`. ``allow_unverified=True`` loads it anyway: the
     engine still checks the file identifier and the program's constants, but a damaged
     program can then crash the process inside ExecuTorch.
 
@@ -72,13 +78,19 @@ class PteEngine:
             raise FileNotFoundError(f"no .pte at {path}")
         self.path = path
         if allow_unverified:
-            data, self.record = path.read_bytes(), None
+            self.record, identity = None, file_identity(path)
         else:
-            data, self.record = read_verified_program(path)
-        _check_identifier(path, data)
+            self.record, identity = verify_program_file(path)
+        with open(path, "rb") as f:
+            _check_identifier(path, f.read(8))
         self.verified = self.record is not None
-        self.pte_bytes = len(data)
-        self.program = self._load(data)
+        self.pte_bytes = identity[2]
+        self.program = self._load(path)
+        if file_identity(path) != identity:
+            raise DiffulexEdgeError(
+                f"{path} changed while it was being loaded (its inode, size or mtime differ "
+                "from when it was checked); load it again"
+            )
         self.meta = self._read_meta()
         if self.record is not None:
             diffs = {
@@ -140,12 +152,14 @@ class PteEngine:
         except ValueError as err:
             raise DiffulexEdgeError(f"{path}: {err}") from err
 
-    def _load(self, data: bytes):
+    def _load(self, path: Path):
         from diffulex_edge.executorch_import import runtime
 
         Runtime = runtime()
         try:
-            return Runtime.get().load_program(data)
+            # By path: ExecuTorch memory-maps the file (its MmapDataLoader) instead of
+            # holding a copy of the bytes.
+            return Runtime.get().load_program(str(path))
         except RuntimeError as err:
             raise DiffulexEdgeError(
                 f"ExecuTorch could not load {self.path} as a program ({err}); the file is "
