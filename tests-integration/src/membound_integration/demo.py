@@ -185,7 +185,7 @@ def _write_results(path: str, rows, failed, total: float, load, subset: bool) ->
         ],
         notes=f"1-minute load average {load:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the end (2 cores). Model preparation (the float copy, "
-        ".zlin files, the random MoE, the .pte) ran before the rows and is not in their "
+        ".zlin files, the MoEfied SmolLM2, the .pte) ran before the rows and is not in their "
         "figures.",
     )
 
