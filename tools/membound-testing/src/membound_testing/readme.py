@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,3 +71,20 @@ def run_python_blocks(readme: Path, namespace: dict | None = None) -> dict:
         code = compile(block.code, f"{readme}:{block.line}", "exec")
         exec(code, namespace)
     return namespace
+
+
+def run_shell(
+    code: str, cwd: str | os.PathLike, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run README shell ``code`` as a user's shell would (``bash -euo pipefail``), with
+    this interpreter's scripts first on PATH (the package's console scripts), in ``cwd``;
+    returns the completed process (text output captured) for the caller to assert on."""
+    bin_dir = Path(sys.executable).parent
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
+        timeout=timeout,
+    )
