@@ -38,13 +38,14 @@ class Toy(nn.Module):
         return x
 
 
-def tiny_llama(seed: int = 0):
-    """A 2-layer random Llama with a tied lm_head (a transformers model, like SmolLM2)."""
+def tiny_llama(seed: int = 0, vocab_size: int = 96):
+    """A 2-layer random Llama with a tied lm_head (a transformers model, like SmolLM2);
+    ``vocab_size=49152`` makes SmolLM2's tokenizer fit it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=96,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,

@@ -55,22 +55,12 @@ def test_compress_a_model_directory_and_run_it_from_the_file_alone(tmp_path, cap
     """An HF directory (a tiny random Llama with SmolLM2's vocabulary and tokenizer) ->
     .zlin + companion -> ``run`` builds the model from the files and generates the plain
     model's greedy tokens."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_llama
+    from transformers import AutoTokenizer
 
     from membound_testing import smollm2_float_dir
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    plain = LlamaForCausalLM(config).eval()
+    plain = tiny_llama(seed=0, vocab_size=49152)
     src = tmp_path / "tiny"
     plain.save_pretrained(src)
     out = tmp_path / "tiny.zlin"
