@@ -46,7 +46,9 @@ def bit_patterns(draw):
         import torch
 
         values = torch.from_numpy(rng.normal(0, 0.02, n)).to(torch_dtype)
-        bits = values.view(torch.uint8).numpy().view(int_dtype).copy() if n else np.empty(0, int_dtype)
+        bits = (
+            values.view(torch.uint8).numpy().view(int_dtype).copy() if n else np.empty(0, int_dtype)
+        )
         if kind == "special_mix" and n:
             idx = rng.integers(0, n, max(1, n // 4))
             bits[idx] = rng.choice(np.array(SPECIAL[dtype], dtype=int_dtype), idx.size)
@@ -81,11 +83,13 @@ def test_c_join_equals_numpy_join_equals_original_bits(case, layout, offset, as_
 def test_c_join_every_rotation(width, int_dtype):
     rng = np.random.default_rng(width)
     bits = rng.integers(0, 2 ** (8 * width), 1001, dtype=np.uint64).astype(int_dtype)
-    planes = [np.ascontiguousarray(bits.view(np.uint8).reshape(-1, width)[:, p]) for p in range(width)]
+    planes = [
+        np.ascontiguousarray(bits.view(np.uint8).reshape(-1, width)[:, p]) for p in range(width)
+    ]
     for k in range(8 * width):
         out = np.empty(bits.nbytes, np.uint8)
         join_planes(planes, out, k)
-        rotr = ((bits >> int_dtype(k)) | (bits << int_dtype((8 * width - k) % (8 * width))))
+        rotr = (bits >> int_dtype(k)) | (bits << int_dtype((8 * width - k) % (8 * width)))
         assert np.array_equal(out.view(int_dtype), rotr.astype(int_dtype)), k
 
 

@@ -38,7 +38,9 @@ def join_planes(planes: list, out: np.ndarray, rotation: int) -> None:
         raise ValueError(f"planes must hold 2 or 4 planes, got {width}")
     n = out.size // width
     if out.dtype != np.uint8 or out.ndim != 1 or n * width != out.size:
-        raise ValueError(f"out must be a 1-D uint8 array of E * {width} bytes, got {out.shape} {out.dtype}")
+        raise ValueError(
+            f"out must be a 1-D uint8 array of E * {width} bytes, got {out.shape} {out.dtype}"
+        )
     pointers = [ffi.from_buffer("uint8_t[]", plane) for plane in planes]
     for p, pointer in enumerate(pointers):
         if len(pointer) != n:
