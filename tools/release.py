@@ -31,7 +31,7 @@ import tomllib
 from _common import PACKAGES, ROOT, hatch
 
 # Packages whose wheel carries compiled code and so must be platform-tagged.
-PLATFORM_WHEELS = {"paired-cache"}
+PLATFORM_WHEELS = {"paired-cache", "zstd-linear"}
 # The dev machines' CPU torch; a user's pip resolves the open range in the metadata.
 DEV_CONSTRAINTS = "torch==2.13.0\n"
 

@@ -16,6 +16,7 @@ import budget_sweep  # noqa: E402
 import codec  # noqa: E402
 import end_to_end  # noqa: E402
 import fuzz  # noqa: E402
+import planes  # noqa: E402
 
 
 def main() -> None:
@@ -28,6 +29,8 @@ def main() -> None:
         end_to_end.run(quick=quick, repeats=repeats)
     if not only or "budget_sweep" in only:
         budget_sweep.run(quick=quick, repeats=repeats)
+    if not only or "planes" in only:
+        planes.main()
     if not only or "fuzz" in only:
         fuzz.run(mutants=200 if quick else 2000, save=not quick)
 

@@ -112,7 +112,7 @@ def test_help_shows_every_default(command, capsys, monkeypatch):
         else:
             assert f"(default: {action.default})" in entry, entry
     if command == "compress":
-        assert "(default: exponent)" in out and "(default: 3)" in out
+        assert "(default: auto)" in out and "(default: 3)" in out
     if command == "run":
         assert "(default: per_pass_prefetch)" in out
 
@@ -124,7 +124,7 @@ def test_choices_come_from_the_registries():
     commands = build_parser()._subparsers._group_actions[0].choices
     layout = next(a for a in commands["compress"]._actions if a.dest == "layout")
     policy = next(a for a in commands["run"]._actions if a.dest == "policy")
-    assert list(layout.choices) == sorted(LAYOUTS)
+    assert list(layout.choices) == ["auto", *sorted(LAYOUTS)]
     assert list(policy.choices) == sorted(POLICIES)
 
 

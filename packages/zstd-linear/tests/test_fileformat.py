@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,6 +163,19 @@ def raw_header(path, tmp_path, raw: bytes) -> str:
     bad = tmp_path / "crafted.zlin"
     bad.write_bytes(PREFIX.pack(MAGIC, version, len(raw), zlib.crc32(raw)) + raw + body)
     return bad
+
+
+def test_a_file_written_by_0_4_loads_bit_exact():
+    # tests/data/toy-bf16-0.4.0.zlin: make_toy(seed=11, dim=64, dtype=bfloat16) compressed
+    # and saved by zstd-linear 0.4.0, whose default layout for bfloat16 was "exponent".
+    path = Path(__file__).parent / "data" / "toy-bf16-0.4.0.zlin"
+    assert {encoded.layout for _, encoded, _ in read_file(path)} == {"exponent"}
+    original = make_toy(seed=11, dim=64, dtype=torch.bfloat16)
+    model = make_toy(seed=0, dim=64, dtype=torch.bfloat16)
+    load_compressed(path, model)
+    for name, layer in compressed_layers(model).items():
+        plain = original.get_submodule(name).weight
+        assert torch.equal(layer.weight.view(torch.int16), plain.view(torch.int16)), name
 
 
 def test_swapped_layout_is_refused_not_decoded_to_another_weight(saved, tmp_path):

@@ -246,7 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--level", type=int, default=3, help="zstd level")
     c.add_argument(
-        "--layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT, help="byte-plane layout"
+        "--layout",
+        choices=["auto", *sorted(LAYOUTS)],
+        default=DEFAULT_LAYOUT,
+        help="byte-plane layout (auto: exponent-mantissa for bfloat16, exponent otherwise)",
     )
     c.add_argument(
         "--chunk-kib",

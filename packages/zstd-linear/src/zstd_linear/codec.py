@@ -2,8 +2,9 @@
 
 The weight's elements are cut into chunks of ``chunk_elems`` elements; every chunk
 holds one frame per plane, so any chunk decodes on its own (in parallel) into its own
-slice of the output. A frame is stored raw where zstd does not shrink it (mantissa
-planes of trained weights), which also makes decoding it a plain copy.
+slice of the output. A frame is stored raw where zstd saves less than
+``CodecConfig.raw_below`` of it (mantissa planes of trained weights), which also makes
+decoding it a plain copy.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES, dtype_name
 
 DEFAULT_LEVEL = 3
 DEFAULT_CHUNK_BYTES = 1 << 20
-DEFAULT_LAYOUT = "exponent"
+DEFAULT_LAYOUT = "auto"
+#: The layout "auto" picks per dtype (benchmarks/results/planes.json): on MiniLM bf16,
+#: "exponent-mantissa" reaches 1.5042 (zipnn 1.4997, "exponent" 1.4989); on float32 it
+#: gains 0.14% on MiniLM at half the frame decode speed, so float32 keeps "exponent";
+#: float16 rotates by 1 in both.
+AUTO_LAYOUTS = {"float32": "exponent", "bfloat16": "exponent-mantissa", "float16": "exponent"}
+#: A frame is stored raw when zstd saves less than this fraction of its plane.
+DEFAULT_RAW_BELOW = 0.05
 
 
 @dataclass(frozen=True)
@@ -30,26 +38,42 @@ class CodecConfig:
     """How weights are encoded.
 
     level: zstd level, 1..22 (default 3).
-    layout: a LAYOUTS name ("exponent" (default), "exponent-mantissa", or "zstd" = plain zstd).
+    layout: "auto" (default: AUTO_LAYOUTS picks per dtype) or a LAYOUTS name
+        ("exponent", "exponent-mantissa", or "zstd" = plain zstd).
     chunk_bytes: uncompressed bytes per independently decodable chunk (>= 4 KiB).
+    raw_below: a frame is stored raw (decoded by a copy) when zstd saves less than this
+        fraction of its plane, in [0, 1); 0 stores raw only frames zstd does not shrink.
     """
 
     level: int = DEFAULT_LEVEL
     layout: str = DEFAULT_LAYOUT
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    raw_below: float = DEFAULT_RAW_BELOW
 
     def __post_init__(self):
         if isinstance(self.level, bool) or not isinstance(self.level, int):
             raise ValueError(f"level must be an int in 1..22, got {self.level!r}")
         if not 1 <= self.level <= 22:
             raise ValueError(f"level must be in 1..22, got {self.level}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+        if self.layout != "auto" and self.layout not in LAYOUTS:
+            raise ValueError(
+                f"layout must be 'auto' or one of {sorted(LAYOUTS)}, got {self.layout!r}"
+            )
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
+        if (
+            isinstance(self.raw_below, bool)
+            or not isinstance(self.raw_below, (int, float))
+            or not 0 <= self.raw_below < 1
+        ):
+            raise ValueError(f"raw_below must be a number in [0, 1), got {self.raw_below!r}")
 
-    def compression_params(self) -> zstandard.ZstdCompressionParameters:
-        if not LAYOUTS[self.layout].planes:
+    def layout_for(self, dtype: str) -> str:
+        """The LAYOUTS name a weight of ``dtype`` (a SUPPORTED_DTYPES name) is encoded with."""
+        return AUTO_LAYOUTS[dtype] if self.layout == "auto" else self.layout
+
+    def compression_params(self, layout: str) -> zstandard.ZstdCompressionParameters:
+        if not LAYOUTS[layout].planes:
             return zstandard.ZstdCompressionParameters.from_level(self.level)
         # A plane of exponents is close to i.i.d. symbols: the low levels' greedy
         # parsers take many short matches that cost more than the literals they
@@ -144,23 +168,28 @@ def view_weight(raw: torch.Tensor, encoded: EncodedWeight) -> torch.Tensor:
 _local = threading.local()
 
 
-def _compressor(config: CodecConfig) -> zstandard.ZstdCompressor:
+def _compressor(config: CodecConfig, layout: str) -> zstandard.ZstdCompressor:
     # ZstdCompressor objects are not thread-safe: one per thread and parameter set.
     cache = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
-    key = (config.level, LAYOUTS[config.layout].planes)
+    key = (config.level, LAYOUTS[layout].planes)
     if key not in cache:
-        cache[key] = zstandard.ZstdCompressor(compression_params=config.compression_params())
+        cache[key] = zstandard.ZstdCompressor(compression_params=config.compression_params(layout))
     return cache[key]
 
 
-def _encode_chunk(values: np.ndarray, dtype: str, config: CodecConfig) -> tuple[Frame, ...]:
+def _encode_chunk(
+    values: np.ndarray, dtype: str, layout: str, config: CodecConfig
+) -> tuple[Frame, ...]:
     frames = []
-    for plane in LAYOUTS[config.layout].split(values, dtype):
+    for plane in LAYOUTS[layout].split(values, dtype):
         raw = plane.tobytes()
-        packed = _compressor(config).compress(raw)
-        frames.append(Frame(raw, True) if len(packed) >= len(raw) else Frame(packed, False))
+        packed = _compressor(config, layout).compress(raw)
+        # A frame that saves little decodes at zstd's speed for few bytes: stored raw, it
+        # is joined straight from the file at memcpy speed.
+        keep = len(packed) < len(raw) and len(raw) - len(packed) >= config.raw_below * len(raw)
+        frames.append(Frame(packed, False) if keep else Frame(raw, True))
     return tuple(frames)
 
 
@@ -185,16 +214,17 @@ def encode_weight(
     )
     chunk_elems = max(1, config.chunk_bytes // int_dtype.itemsize)
     starts = range(0, max(values.size, 1), chunk_elems)
+    layout = config.layout_for(name)
 
     def job(start: int) -> tuple[Frame, ...]:
-        return _encode_chunk(values[start : start + chunk_elems], name, config)
+        return _encode_chunk(values[start : start + chunk_elems], name, layout, config)
 
     chunks: Iterable[tuple[Frame, ...]]
     chunks = executor.map(job, starts) if executor is not None else map(job, starts)
     return EncodedWeight(
         dtype=name,
         shape=tuple(weight.shape),
-        layout=config.layout,
+        layout=layout,
         level=config.level,
         chunk_elems=chunk_elems,
         frames=tuple(chunks),

@@ -2,9 +2,11 @@
 
 Each chunk is one task: its zstd frames are decoded with
 ``ZstdDecompressor().stream_reader(frame).readinto(buf)`` (which releases the GIL)
-into per-thread scratch planes, then joined by vectorised numpy ops (which release it
-too) into the chunk's slice of the output. Scratch and decompressors are per thread
-and reused, so a decode allocates no buffer the size of a weight.
+into per-thread scratch planes, then joined by the C core (``_core.join_planes``, one
+call per chunk, which releases it too) into the chunk's slice of the output; a raw frame
+is joined straight from its bytes (the file's mapping), without a copy. Scratch and
+decompressors are per thread and reused, so a decode allocates no buffer the size of a
+weight.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import numpy as np
 import torch
 import zstandard
 
+from zstd_linear._core import join_planes
 from zstd_linear.codec import EncodedWeight, view_weight
 from zstd_linear.errors import CompressedFileError
-from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+from zstd_linear.layout import LAYOUTS
 
 
 class DecodeError(CompressedFileError):
@@ -138,18 +141,17 @@ class Decoder:
             else:
                 _read_frame(scratch.decompressor, frame.data, dst)
             return
-        planes = []
+        planes: list[np.ndarray | bytes | memoryview] = []
         for p, frame in enumerate(frames):
             if frame.raw:
                 if len(frame.data) != n:
                     raise DecodeError(f"a raw frame holds {len(frame.data)} bytes, not {n}")
-                planes.append(np.frombuffer(frame.data, dtype=np.uint8))
+                planes.append(frame.data)  # joined straight from the file's mapping
             else:
                 plane = scratch.get(n, np.dtype(np.uint8), p)
                 _read_frame(scratch.decompressor, frame.data, plane)
                 planes.append(plane)
-        int_dtype = SUPPORTED_DTYPES[encoded.dtype][1]
-        layout.join(planes, dst, scratch.get(n, int_dtype, -1), encoded.dtype)
+        join_planes(planes, dst, layout.rotation[encoded.dtype])
 
     def close(self) -> None:
         if self._pool is not None:

@@ -3,7 +3,7 @@
 A trained weight's exponent carries ~2.7 bits of information in 8 bits, while its
 mantissa is close to random. Interleaved, zstd sees neither pattern; split into byte
 planes after a bit rotation, the low-entropy exponent lands in one plane that zstd
-compresses well and the mantissa planes are stored raw (zstd cannot shrink them).
+compresses well and the mantissa planes are stored raw (zstd barely shrinks them).
 
 Every layout is a bijection on bit patterns (NaN payloads, ±inf, subnormals, -0.0
 survive), applied per chunk of ``E`` elements:
@@ -67,8 +67,9 @@ class Layout:
     ) -> None:
         """Write the values of ``planes`` (n arrays of (E,) uint8) into ``out`` (E*n,) uint8.
 
-        ``scratch`` is a caller-owned (E,) array of out's unsigned width, reused across
-        calls so that joining allocates nothing.
+        The numpy reference join: the decoder uses the C core's ``join_planes``, which
+        the tests check against this. ``scratch`` is a caller-owned (E,) array of out's
+        unsigned width, reused across calls so that joining allocates nothing.
         """
         if not self.planes:
             if planes[0] is not out:

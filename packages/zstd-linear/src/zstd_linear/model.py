@@ -8,7 +8,13 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
+from zstd_linear.codec import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_LAYOUT,
+    DEFAULT_RAW_BELOW,
+    CodecConfig,
+    encode_weight,
+)
 from zstd_linear.decoder import check_threads
 from zstd_linear.embedding import CompressedEmbedding
 from zstd_linear.guards import guard, unguard
@@ -169,6 +175,7 @@ def compress_model(
     *,
     layout: str = DEFAULT_LAYOUT,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    raw_below: float = DEFAULT_RAW_BELOW,
     threads: int | None = None,
     progress: bool | None = None,
     embeddings: bool = False,
@@ -180,7 +187,8 @@ def compress_model(
     Linear). A Linear whose weight is tied to another parameter stays plain and is
     listed in ``report.skipped``. embeddings: also compress every nn.Embedding (into
     CompressedEmbedding); a Linear tied to one (SmolLM2's lm_head) then becomes a
-    CompressedLinear over the same compressed table, stored once. policy: a POLICIES name; policy_options go to it
+    CompressedLinear over the same compressed table, stored once. layout, chunk_bytes,
+    raw_below: see CodecConfig. policy: a POLICIES name; policy_options go to it
     (``window`` for per_pass_prefetch; ``budget_bytes`` or ``memory_limit``, and
     ``window``, for budget). threads: decode and compression threads (default
     min(2, cores)). progress: a bar on stderr, drawn before the first layer is encoded
@@ -191,7 +199,7 @@ def compress_model(
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if RUNTIME_ATTR in model.__dict__:
         raise ValueError("model is already compressed: call decompress_model first")
-    config = CodecConfig(level=level, layout=layout, chunk_bytes=chunk_bytes)
+    config = CodecConfig(level=level, layout=layout, chunk_bytes=chunk_bytes, raw_below=raw_below)
     threads = check_threads(threads)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")

@@ -1,0 +1,49 @@
+"""The cffi description of the C core (API, out-of-line mode).
+
+Used by ``hatch_build.py`` to compile the extension ``_zstd_linear_core`` and by the tests
+to inspect the generated glue. Needs cffi (and setuptools to compile), nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent
+MODULE_NAME = "_zstd_linear_core"
+SOURCES = ["zl_join.c"]
+HEADERS = ["zstd_linear.h"]
+# -O3 vectorises the join loops; no -march: a wheel must run on any x86-64 / aarch64 machine.
+COMPILE_ARGS = ["-std=c11", "-O3", "-Wall", "-Wextra"]
+
+
+def source_digest() -> str:
+    """sha256 over the C sources and headers, compiled into the core as ZL_SOURCE_DIGEST."""
+    digest = hashlib.sha256()
+    for name in sorted(SOURCES + HEADERS):
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    return digest.hexdigest()
+
+
+def cdef_text() -> str:
+    """The declarations between the cdef markers of zstd_linear.h."""
+    header = (CSRC / "zstd_linear.h").read_text()
+    start = header.index("/* cdef-begin */") + len("/* cdef-begin */")
+    return header[start : header.index("/* cdef-end */")]
+
+
+def make_ffibuilder():
+    import cffi
+
+    ffibuilder = cffi.FFI()
+    ffibuilder.cdef(cdef_text())
+    ffibuilder.set_source(
+        MODULE_NAME,
+        '#include "zstd_linear.h"',
+        sources=[str(CSRC / name) for name in SOURCES],
+        include_dirs=[str(CSRC)],
+        define_macros=[("ZL_SOURCE_DIGEST", f'"{source_digest()}"')],
+        extra_compile_args=COMPILE_ARGS,
+    )
+    return ffibuilder

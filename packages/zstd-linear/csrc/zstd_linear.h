@@ -1,0 +1,33 @@
+/* The zstd-linear C core: joining byte planes back into float bit patterns.
+ *
+ * A chunk of E values of width n bytes (n = 2 or 4) is stored as n planes of E bytes:
+ * plane p holds byte p (little-endian) of each value after the value was rotated left
+ * by k bits. Joining writes, for every i,
+ *
+ *     out[i] = rotr(planes[0][i] | planes[1][i] << 8 | ... , k)     (n bytes, little-endian)
+ *
+ * The declarations between the cdef markers are what cffi sees (csrc/ffi_build.py).
+ */
+#ifndef ZSTD_LINEAR_H
+#define ZSTD_LINEAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* cdef-begin */
+#define ZL_OK 0
+#define ZL_ERR_WIDTH -1
+#define ZL_ERR_ROTATION -2
+#define ZL_ERR_NULL -3
+
+/* Join 2 (p2, p3 NULL) or 4 planes of n bytes each into out (n * width bytes).
+ * rotation: 0 <= rotation < 8 * width. Planes and out must not overlap.
+ * Returns ZL_OK or a ZL_ERR_* code (nothing is written then). */
+int zl_join(int width, int rotation, size_t n, const uint8_t *p0, const uint8_t *p1,
+            const uint8_t *p2, const uint8_t *p3, uint8_t *out);
+
+/* "C<standard> sha256:<digest of the compiled sources>" */
+const char *zl_core_info(void);
+/* cdef-end */
+
+#endif
