@@ -1,14 +1,18 @@
 """Run block-diffusion generation on an exported ``.pte`` through ``executorch.runtime``.
 
-The engine reads the program once into memory and verifies it against its integrity record
-(``<name>.pte.json``, :mod:`diffulex_edge.pte_record`) before ExecuTorch sees a byte, then
-loads those same bytes. It reads the program's constant methods (what it was exported for),
-checks them against the record and the forward method's input shapes before the first step,
-owns the static KV cache, and builds every mask on the CPU with :mod:`diffulex_edge.masks`.
+The engine verifies the program against its integrity record (``<name>.pte.json``,
+:mod:`diffulex_edge.pte_record`) by reading the file once before ExecuTorch sees a byte,
+then lets ExecuTorch map the file, and loads its methods with one packed copy of the
+weights between them (:mod:`diffulex_edge.xnnpack_weight_cache`). It reads the program's
+constant methods (what it was exported for), checks them against the record and the forward
+method's input shapes before the first step, owns the static KV cache, and builds every
+mask on the CPU with :mod:`diffulex_edge.masks`.
 """
 
 from __future__ import annotations
 
+import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
 from diffulex_edge.backends import StaticBackend
@@ -30,6 +34,7 @@ from diffulex_edge.generate import (
 )
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.pte_record import file_identity, record_path, verify_program_file
+from diffulex_edge.xnnpack_weight_cache import WeightCacheUnavailable, shared_packed_weights
 
 _VARIANT_BY_ID = {cls.variant_id: name for name, cls in EXPORT_VARIANTS.items()}
 
@@ -62,6 +67,12 @@ class PteEngine:
 
     ``expected_config``: when given, the program must have been exported from a model with
     exactly this config (compared by digest), else :class:`DiffulexEdgeError`.
+
+    The ``forward`` and ``prefill`` methods share one packed copy of the weights (XNNPACK's
+    weight cache, switched on while they load: :mod:`diffulex_edge.xnnpack_weight_cache`);
+    ``shares_packed_weights`` says whether they do. Where the ExecuTorch runtime cannot
+    switch the cache, each method packs its own copy (SmolLM2 in fp32: 517 MiB each) and a
+    program with a prefill method loads with a ``RuntimeWarning`` saying so.
     """
 
     def __init__(
@@ -119,32 +130,19 @@ class PteEngine:
             raise DiffulexEdgeError(
                 f"{path}: the program's cache geometry is invalid: {err}"
             ) from err
+        prefill_size = self.meta["prefill_size"] or None
+        method, prefill = self._load_methods(prefill_size is not None)
         try:
-            method = self.program.load_method("forward")
-            cache_meta = method.metadata.input_tensor_meta(2)
-            cache_shape = tuple(cache_meta.sizes())
+            cache_shape = tuple(method.metadata.input_tensor_meta(2).sizes())
         except RuntimeError as err:
-            raise DiffulexEdgeError(f"ExecuTorch could not load {path}'s forward: {err}") from err
+            raise DiffulexEdgeError(f"{path}: forward has no kv_cache input: {err}") from err
         if cache_shape != self.layout.shape:
             raise DiffulexEdgeError(
                 f"{path}: forward's kv_cache input is {cache_shape}, its metadata "
                 f"says {self.layout.shape}"
             )
         self.method = method
-        prefill_step, prefill_size = None, self.meta["prefill_size"] or None
-        if prefill_size is not None:
-            if PREFILL_METHOD not in self.program.method_names:
-                raise DiffulexEdgeError(
-                    f"{path}: its metadata names a prefill of {prefill_size} tokens but the "
-                    f"program has no {PREFILL_METHOD!r} method"
-                )
-            try:
-                prefill = self.program.load_method(PREFILL_METHOD)
-            except RuntimeError as err:
-                raise DiffulexEdgeError(
-                    f"ExecuTorch could not load {path}'s {PREFILL_METHOD}: {err}"
-                ) from err
-            prefill_step = method_step(prefill)
+        prefill_step = None if prefill is None else method_step(prefill)
         try:
             self.backend = StaticBackend(
                 self.layout, self.variant, method_step(method), prefill_step, prefill_size
@@ -165,6 +163,39 @@ class PteEngine:
                 f"ExecuTorch could not load {self.path} as a program ({err}); the file is "
                 "damaged or not a .pte"
             ) from err
+
+    def _load_methods(self, with_prefill: bool):
+        """``forward`` and, if asked, ``prefill``, with one packed copy of the weights
+        between them (XNNPACK's shared weight cache, :mod:`diffulex_edge.xnnpack_weight_cache`)
+        where the runtime allows it; sets :attr:`shares_packed_weights`."""
+        path = self.path
+        if with_prefill and PREFILL_METHOD not in self.program.method_names:
+            raise DiffulexEdgeError(
+                f"{path}: its metadata names a prefill of {self.meta['prefill_size']} tokens "
+                f"but the program has no {PREFILL_METHOD!r} method"
+            )
+        names = ["forward", PREFILL_METHOD] if with_prefill else ["forward"]
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(shared_packed_weights())
+                self.shares_packed_weights = True
+            except WeightCacheUnavailable as err:
+                self.shares_packed_weights = False
+                if with_prefill:
+                    warnings.warn(
+                        f"{path}: each method packs its own copy of the weights ({err})",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            methods = []
+            for name in names:
+                try:
+                    methods.append(self.program.load_method(name))
+                except RuntimeError as err:
+                    raise DiffulexEdgeError(
+                        f"ExecuTorch could not load {path}'s {name}: {err}"
+                    ) from err
+        return methods[0], (methods[1] if with_prefill else None)
 
     def _read_meta(self) -> dict[str, int]:
         path = self.path
