@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 from common import NOISE, write_result
-from texts import CALIBRATION, HELD_OUT
+from texts import DOCS_TOKENS, HELD_OUT, docs_ids
 
 from paired_cache.model_io import convert, load_sparse
-from paired_cache.trained_predictor import TrainConfig, fit_predictors, save_predictors
+from paired_cache.trained_predictor import fit_predictors, save_predictors
 
 FRACTION = 0.5
 
@@ -82,7 +82,7 @@ def breakdown(model, prompt: torch.Tensor, tokens: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--predictor", default=None, help="a fit-predictor file (50%)")
+    parser.add_argument("--predictor", default=None, help="a fit-predictor file")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--breakdown-only", action="store_true")
@@ -104,12 +104,9 @@ def main(argv: list[str] | None = None) -> None:
         dense = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="float32").eval()
         predictor = args.predictor
         if predictor is None:
-            calibration = tokenizer(CALIBRATION, return_tensors="pt").input_ids
-            config = TrainConfig(steps=5) if args.quick else TrainConfig()
-            predictor = Path(tmp) / "predictor-50.safetensors"
-            save_predictors(
-                predictor, fit_predictors(dense, calibration, FRACTION, config), FRACTION
-            )
+            calibration = docs_ids(tokenizer, 1024 if args.quick else DOCS_TOKENS)
+            predictor = Path(tmp) / "predictor.safetensors"
+            save_predictors(predictor, fit_predictors(dense, calibration))
         variants = {
             "dense (transformers, mmap'd safetensors)": lambda: dense,
             "cats 50%": lambda: load_sparse(model_dir, pool, "cats", FRACTION),

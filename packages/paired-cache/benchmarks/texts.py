@@ -1,5 +1,21 @@
 """Calibration and held-out English text for the quality benchmark (written for membound,
-no dataset download). The two passages share no sentences."""
+no dataset download). The two passages share no sentences. DOCS_TOKENS of Python's own
+documentation (the stdlib's pydoc_data.topics, English prose and code, shipped with every
+CPython) calibrate the trained predictor; it shares no sentences with HELD_OUT either."""
+
+DOCS_TOKENS = 16384  # 32 sequences of 512 tokens
+
+
+def docs_ids(tokenizer, tokens: int = DOCS_TOKENS):
+    """The first `tokens` token ids (1, tokens) of pydoc_data.topics, topics in name order."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise ValueError(f"pydoc_data.topics holds {ids.shape[1]} tokens, {tokens} asked")
+    return ids[:, :tokens]
+
 
 CALIBRATION = (
     "The river rises in the hills to the north and runs for two hundred miles before it "

@@ -130,7 +130,7 @@ def test_trained_predictor_file_drives_load_sparse(model_dir, pool_path, france,
     text = tmp_path / "calibration.txt"
     text.write_text("The river rises in the hills and runs to the sea past farms and mills. " * 4)
     out = tmp_path / "predictor.safetensors"
-    args = ["fit-predictor", str(model_dir), str(text), str(out), "--rank", "8", "--steps", "2"]
+    args = ["fit-predictor", str(model_dir), str(text), str(out), "--rank", "8"]
     assert main([*args, "--quiet"]) == 0
     model = load_sparse(model_dir, pool_path, "trained", 0.25, predictor=out)
     mlps = [layer.mlp for layer in model.model.layers]

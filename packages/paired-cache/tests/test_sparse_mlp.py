@@ -116,8 +116,7 @@ def test_every_source_selects_k_rows(name):
     g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
     options = {}
     if name == "trained":  # its weights come from training, not from calibration inputs
-        config = TrainConfig(rank=4, steps=2)
-        options["weights"] = fit_predictor(g, u, mlp.act_fn, 0.3, calibration, config)
+        options["weights"] = fit_predictor(g, u, mlp.act_fn, calibration, TrainConfig(rank=4))
     source = make_source(name, g, u, mlp.act_fn, 0.3, calibration, **options)
     mask = source.select(torch.randn(H, dtype=torch.float64))
     assert mask.dtype == torch.bool and mask.shape == (N,)

@@ -1,5 +1,5 @@
 """``paired-cache`` command line: ``convert`` writes a model's neuron pools to a pool file;
-``fit-predictor`` trains the Deja Vu predictors; ``ask`` answers a prompt with the model
+``fit-predictor`` fits the Deja Vu predictors (one file for every fraction); ``ask`` answers a prompt with the model
 loaded by ``load_sparse``. (The update microbenchmark is ``benchmarks/microbench.py``,
 outside the installed package.)
 
@@ -48,14 +48,14 @@ def cmd_fit_predictor(args: argparse.Namespace) -> int:
     from paired_cache.model_io import _Progress
     from paired_cache.trained_predictor import TrainConfig, fit_predictors, save_predictors
 
-    config = TrainConfig(rank=args.rank, steps=args.steps)
+    config = TrainConfig(rank=args.rank)
     text = Path(args.text).read_text(encoding="utf-8")
     model, tokenizer = _load_dense(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids
     layers = model.config.num_hidden_layers
     progress = None if args.quiet else _Progress(layers)
-    predictors = fit_predictors(model, ids, args.fraction, config, progress=progress)
-    save_predictors(args.out, predictors, args.fraction)
+    predictors = fit_predictors(model, ids, config, progress=progress)
+    save_predictors(args.out, predictors)
     print(f"{args.out}: {len(predictors)} predictors, rank {args.rank}, {ids.shape[1]} tokens")
     return 0
 
@@ -98,15 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     fit = sub.add_parser(
         "fit-predictor",
-        help="train the Deja Vu predictor of every MLP from a calibration text",
+        help="fit the Deja Vu predictor of every MLP from a calibration text (any fraction)",
         formatter_class=fmt,
     )
     fit.add_argument("model", help="a HF model directory (config.json, *.safetensors) or .gguf")
     fit.add_argument("text", help="a UTF-8 calibration text file")
     fit.add_argument("out", help="the .safetensors file to write, beside the pool file")
-    fit.add_argument("--fraction", type=float, default=0.5, help="share of active rows")
     fit.add_argument("--rank", type=int, default=128, help="predictor rank")
-    fit.add_argument("--steps", type=int, default=300, help="AdamW steps per layer")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     fit.set_defaults(func=cmd_fit_predictor)
 
