@@ -78,6 +78,17 @@ def real_moe():
 
 
 @pytest.fixture(scope="session")
+def real_shared_moe():
+    """The MoEfied SmolLM2-135M with a shared expert of 256 neurons and 16 routed experts of
+    80, top-6 (a Qwen2-MoE), built once under membound's cache directory like ``real_moe``."""
+    from membound_testing.models import cache_dir, smollm2_float_dir
+    from moe_expert_cache.moefy import MoefyConfig, moefy_cached
+
+    config = MoefyConfig(shared_size=256, top_k=6)
+    return moefy_cached(smollm2_float_dir(), cache_dir(), config, progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A random 2-layer float32 Llama checkpoint (64 MLP neurons), the kind of input moefy
     takes."""
