@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
 from moe_expert_cache import CacheConfig, generate, load_cached_model
-from moe_expert_cache.random_model import ARCHITECTURES, random_moe_config, write_random_moe
 
 STEPS = 10
 

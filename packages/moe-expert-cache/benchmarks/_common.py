@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_expert_cache.random_model import random_moe_config, write_random_moe
+from membound_testing.random_moe import random_moe_config, write_random_moe
 
 RESULTS = Path(__file__).parent / "results"
 COMMAND = "hatch run moe-expert-cache:bench"

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from moe_expert_cache.random_model import random_moe_config, write_random_moe
+from membound_testing.random_moe import random_moe_config, write_random_moe
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64]
 DECODE_STEPS = 16
@@ -75,3 +75,45 @@ def real_moe():
     from moe_expert_cache.moefy import moefy_cached
 
     return moefy_cached(smollm2_float_dir(), cache_dir(), progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_shared_moe():
+    """The MoEfied SmolLM2-135M with a shared expert of 256 neurons and 16 routed experts of
+    80, top-6 (a Qwen2-MoE), built once under membound's cache directory like ``real_moe``."""
+    from membound_testing.models import cache_dir, smollm2_float_dir
+    from moe_expert_cache.moefy import MoefyConfig, moefy_cached
+
+    config = MoefyConfig(shared_size=256, top_k=6)
+    return moefy_cached(smollm2_float_dir(), cache_dir(), config, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A random 2-layer float32 Llama checkpoint (64 MLP neurons), the kind of input moefy
+    takes."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    mx.save_safetensors(
+        str(directory / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory

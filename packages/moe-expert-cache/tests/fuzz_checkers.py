@@ -216,9 +216,9 @@ def make_references(root: Path) -> Path:
     them; returns the JSON's path (for ``MOE_FUZZ_REFS``)."""
     import shutil
 
+    from membound_testing.random_moe import random_moe_config, write_random_moe
     from moe_expert_cache import generate
     from moe_expert_cache.expert_store import INTEGRITY_FILE
-    from moe_expert_cache.random_model import random_moe_config, write_random_moe
 
     sealed = write_random_moe(root / "sealed", random_moe_config("qwen3_moe"), bits=4)
     foreign = root / "foreign"

@@ -7,9 +7,9 @@ import pytest
 from conftest import DECODE_STEPS, PROMPT, decode_logits
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from membound_testing.random_moe import ARCHITECTURES
 from moe_expert_cache import CacheConfig, load_cached_model
 from moe_expert_cache.moe_blocks import CachedMoeBlock
-from moe_expert_cache.random_model import ARCHITECTURES
 
 CASES = [(arch, bits) for arch in ARCHITECTURES for bits in (None, 4)]
 

@@ -4,22 +4,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from importlib.resources import files
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import PROMPT
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 
+from membound_testing.random_moe import random_moe_config, write_random_moe
 from moe_expert_cache import CacheConfig, generate, load_cached_model
 from moe_expert_cache.moefy import MoefyConfig, moefy
-from moe_expert_cache.random_model import random_moe_config, write_random_moe
 
 
 @pytest.fixture(params=[0o022, 0o077])
@@ -40,32 +36,8 @@ def expect(root: Path, umask: int) -> dict[str, int]:
     return {name: (0o777 if (root / name).is_dir() else 0o666) & ~umask for name in modes(root)}
 
 
-def tiny_llama(directory: Path) -> Path:
-    """A random 2-layer float32 Llama checkpoint, the kind of input moefy takes."""
-    cfg = {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    }
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(cfg))
-    directory.mkdir()
-    mx.save_safetensors(
-        str(directory / "model.safetensors"), dict(tree_flatten(model.parameters()))
-    )
-    (directory / "config.json").write_text(json.dumps(cfg))
-    return directory
-
-
-def test_moefy_checkpoint_follows_the_umask(tmp_path, umask):
-    dense = tiny_llama(tmp_path / "dense")
+def test_moefy_checkpoint_follows_the_umask(tmp_path, umask, tiny_llama):
+    dense = tiny_llama
     ids = np.random.default_rng(0).integers(0, 128, 96).tolist()
     config = MoefyConfig(num_experts=4, top_k=2, kmeans_iters=2, sequence_length=32, shards=2)
     out = moefy(dense, tmp_path / "moe", ids, config, progress=False)

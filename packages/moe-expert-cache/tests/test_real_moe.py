@@ -1,5 +1,6 @@
-"""The cache on the real MoE (SmolLM2-135M MoEfied into 16 experts per layer) against the
-stock mlx-lm model loaded from the same checkpoint."""
+"""The cache on the real MoEs (SmolLM2-135M MoEfied into 16 experts per layer: the Mixtral,
+and the Qwen2-MoE with a shared expert) against the stock mlx-lm model loaded from the same
+checkpoint."""
 
 from __future__ import annotations
 
@@ -111,3 +112,38 @@ def test_moefy_refuses_bad_settings_and_leaves_nothing(tmp_path, real_moe):
             json.loads((real_moe / BUILD_RECORD).read_text())["source"], tmp_path / "m", [1, 2, 3]
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_shared_expert_build_is_a_qwen2_moe_that_answers_in_words(real_shared_moe):
+    """Every token runs the 256 neurons of the largest mean mass; 6 of 16 experts of 80 are
+    routed (736 of 1,536 neurons). Asked the demo's question it answers a readable, wrong
+    sentence: "The capital of France is a font." (the Mixtral top-4 answers symbols)."""
+    cfg = json.loads((real_shared_moe / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2_moe"
+    assert (cfg["num_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]) == (
+        16,
+        80,
+        6,
+    )
+    assert cfg["shared_expert_intermediate_size"] == 256
+    model, _ = load_model(real_shared_moe)
+    tokens = generate(model, chat_ids(real_shared_moe), NEW_TOKENS).tokens
+    text = load_tokenizer(real_shared_moe).decode(tokens, skip_special_tokens=True).strip()
+    assert text.startswith("The capital of France is"), text
+
+
+def test_exact_mode_equals_stock_on_the_shared_expert_build(real_shared_moe):
+    model, _ = load_model(real_shared_moe)
+    prompt = chat_ids(real_shared_moe)
+    tokens = generate(model, prompt, NEW_TOKENS).tokens
+    stock_logits = teacher_forced(model, prompt, tokens)
+    cached = load_cached_model(real_shared_moe, CacheConfig(capacity=0.5, mode="exact"))
+    logits = teacher_forced(cached.model, prompt, tokens, cached.manager)
+    assert (
+        max(float(np.abs(a - b).max()) for a, b in zip(logits, stock_logits, strict=True)) <= 1e-5
+    )
+    manager = cached.manager
+    expert_bytes = 3 * 80 * 576 * 4  # gate, up, down of 80 neurons, float32
+    assert manager.layers[0].expert_nbytes == expert_bytes
+    assert manager.resident_expert_bytes() == 30 * 8 * expert_bytes
+    assert manager.total_metrics().misses > 0

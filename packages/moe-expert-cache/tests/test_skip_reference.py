@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from membound_testing.random_moe import ARCHITECTURES
 from moe_expert_cache import CacheConfig, load_cached_model
-from moe_expert_cache.random_model import ARCHITECTURES
 
 
 def silu(v):

@@ -1,8 +1,8 @@
 """The lazy expert store: non-expert weights are materialised, experts read one at a time.
 
 A model directory may carry an integrity record, ``moe-expert-cache.integrity.json``
-(written by :func:`seal_model`, and for every checkpoint that ``moefy`` and
-``random_model.write_random_moe`` write): the SHA-256 of ``config.json``, of the index
+(written by :func:`seal_model`, and for every checkpoint that ``moefy`` and the test
+helper ``membound_testing.random_moe.write_random_moe`` write): the SHA-256 of ``config.json``, of the index
 and of every shard's header, and a CRC-32 of every non-expert tensor and of every expert
 row. When it is there, every header is checked at open and every tensor or expert row
 when it is read, so a changed weight byte is refused.

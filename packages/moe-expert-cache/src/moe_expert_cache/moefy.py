@@ -1,18 +1,26 @@
-"""MoEfication (Zhang et al., 2022): a dense Llama model's MLPs split into a Mixtral MoE.
+"""MoEfication (Zhang et al., 2022): a dense Llama model's MLPs split into an mlx-lm MoE.
 
 Each layer's ``intermediate_size`` SwiGLU neurons are clustered into ``num_experts`` equal
 groups of neurons that fire together on calibration text (balanced spherical k-means on
 each neuron's activation mass over the calibration tokens), and a linear router per layer
 is fitted by ridge regression from the MLP input to each expert's share of the activation
-mass. The result is written as a Mixtral checkpoint (mlx-lm's stacked ``switch_mlp``
-layout): Mixtral keeps the Llama attention, GQA, RoPE base and tied embeddings as they are.
+mass. Optionally the ``shared_size`` neurons of the largest mean mass first go to a shared
+expert that every token runs (a SwiGLU MLP spends its mass on many neurons for every token:
+those are not a choice). Llama's attention, GQA, RoPE base and embeddings are kept.
 
-MoEfication sums the chosen experts with weight 1, while Mixtral weights them by a softmax
-of their router logits. The router is therefore written scaled by ``router_scale`` (its
-logits differ by ~1e-3, so the softmax over the top-k is uniform, ``1/k``, to ~1e-3) and
-every expert's ``down_proj`` multiplied by ``top_k``: the checkpoint computes the sum over
-the chosen experts, and with ``top_k = num_experts`` it is the dense model. The expert
-*choice* is the fitted router's, unchanged by the scale.
+Without a shared expert the checkpoint is a Mixtral (mlx-lm's stacked ``switch_mlp``
+layout); with one it is a Qwen2-MoE, the mlx-lm format that has a shared expert (its
+q/k/v biases are written as zeros and its ``lm_head`` as the tied embedding).
+
+MoEfication sums the chosen experts with weight 1, while both formats weight them by a
+softmax of their router logits (Mixtral: over the top-k; Qwen2-MoE: over all experts, not
+renormalised). The router is therefore written scaled by ``router_scale`` (its logits
+differ by ~1e-3, so the softmax is uniform to ~1e-3) and every expert's ``down_proj``
+multiplied by the inverse of that uniform weight (``top_k``, or ``num_experts``); the
+shared expert's gate is a zero vector (sigmoid 1/2) and its ``down_proj`` doubled. The
+checkpoint computes the plain sum over the chosen experts (and the shared one), and with
+every expert chosen it is the dense model. The expert *choice* is the fitted router's,
+unchanged by the scale.
 """
 
 from __future__ import annotations
@@ -43,13 +51,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @dataclass
 class MoefyConfig:
-    """``num_experts`` equal experts per layer, ``top_k`` chosen per token; k-means
+    """``num_experts`` equal experts per layer, ``top_k`` chosen per token, and a shared
+    expert of ``shared_size`` neurons (0: none, a Mixtral; else a Qwen2-MoE); k-means
     ``kmeans_iters`` rounds from a ``seed``; ridge ``ridge`` (relative to the mean diagonal
     of the Gram matrix); calibration run in sequences of ``sequence_length`` tokens;
     ``shards`` safetensors files."""
 
     num_experts: int = 16
     top_k: int = 4
+    shared_size: int = 0
     kmeans_iters: int = 10
     ridge: float = 1e-3
     router_scale: float = 1e-2
@@ -62,6 +72,9 @@ class MoefyConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ExpertCacheError(f"{name} must be an integer >= 1, got {v!r}")
+        v = self.shared_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ExpertCacheError(f"shared_size must be an integer >= 0, got {v!r}")
         if self.top_k > self.num_experts:
             raise ExpertCacheError(
                 f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}"
@@ -202,9 +215,15 @@ def moefy(
     dense_dir, out_dir = Path(dense_dir), Path(out_dir)
     cfg = dense_config(dense_dir)
     n_neurons, n_layers = cfg["intermediate_size"], cfg["num_hidden_layers"]
-    if n_neurons % config.num_experts:
+    shared = config.shared_size
+    if shared >= n_neurons:
         raise ExpertCacheError(
-            f"num_experts must divide intermediate_size={n_neurons}, got {config.num_experts}"
+            f"shared_size must be in [0, intermediate_size={n_neurons}), got {shared}"
+        )
+    if (n_neurons - shared) % config.num_experts:
+        raise ExpertCacheError(
+            f"num_experts must divide intermediate_size - shared_size = {n_neurons - shared}, "
+            f"got {config.num_experts}"
         )
     ids = np.asarray(calibration_ids, dtype=np.int64)
     if (
@@ -226,11 +245,14 @@ def moefy(
     model = load_dense(dense_dir)
     L = config.sequence_length
     chunks = [mx.array(ids[i : i + L]) for i in range(0, len(ids), L) if len(ids[i : i + L]) > 1]
-    E, size = config.num_experts, n_neurons // config.num_experts
+    E, size = config.num_experts, (n_neurons - shared) // config.num_experts
     weights: dict[str, mx.array] = {
         "model.embed_tokens.weight": model.model.embed_tokens.weight,
         "model.norm.weight": model.model.norm.weight,
     }
+    if shared:  # Qwen2-MoE always has an lm_head
+        lm_head = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens
+        weights["lm_head.weight"] = lm_head.weight
     layer_stats = []
     bar = tqdm(
         total=n_layers, desc="moefy: cluster + fit router", unit="layer", disable=not progress
@@ -240,47 +262,65 @@ def moefy(
         down = np.array(layer.mlp.down_proj.weight)  # (D, F)
         # A neuron's contribution to the output: |activation| x the norm of its down column.
         mass = np.abs(act) * np.linalg.norm(down, axis=0)  # (N, F)
-        features = mass.T / np.maximum(np.linalg.norm(mass.T, axis=1, keepdims=True), 1e-12)
+        always = np.sort(np.argsort(-mass.mean(axis=0), kind="stable")[:shared])  # (shared,)
+        routed = np.setdiff1d(np.arange(n_neurons), always)  # (F - shared,)
+        m = mass[:, routed].T  # (F - shared, N)
+        features = m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)
         labels = balanced_kmeans(features, E, config.kmeans_iters, config.seed + i)
-        groups = [np.flatnonzero(labels == e) for e in range(E)]  # E x (size,)
+        groups = [routed[labels == e] for e in range(E)]  # E x (size,)
         expert_mass = np.stack([mass[:, g].sum(axis=1) for g in groups], axis=1)  # (N, E)
         share = expert_mass / np.maximum(expert_mass.sum(axis=1, keepdims=True), 1e-12)
         w = _fit_router(x, share, config.ridge)  # (D, E)
         covered = np.sort(share, axis=1)[:, ::-1][:, : config.top_k].sum(axis=1)
+        shared_mass = mass[:, always].sum(axis=1)  # (N,)
         layer_stats.append(
             {
                 "router_recall": _recall(x @ w, share, config.top_k),
                 "best_top_k_mass_share": float(covered.mean()),
+                "active_mass_share": float(
+                    np.mean(
+                        (shared_mass + np.sort(expert_mass, axis=1)[:, -config.top_k :].sum(1))
+                        / np.maximum(mass.sum(axis=1), 1e-12)
+                    )
+                ),
             }
         )
         gate = np.array(layer.mlp.gate_proj.weight)  # (F, D)
         up = np.array(layer.mlp.up_proj.weight)  # (F, D)
         p = f"model.layers.{i}"
-        moe = f"{p}.block_sparse_moe"
+        moe = f"{p}.mlp" if shared else f"{p}.block_sparse_moe"
+        # The inverse of the (uniform) routing weight: Mixtral's softmax is over the top-k,
+        # Qwen2-MoE's over every expert.
+        expert_scale = E if shared else config.top_k
         weights[f"{moe}.gate.weight"] = mx.array((config.router_scale * w.T).astype(np.float32))
         weights[f"{moe}.switch_mlp.gate_proj.weight"] = mx.array(
             np.stack([gate[g] for g in groups])
         )
         weights[f"{moe}.switch_mlp.up_proj.weight"] = mx.array(np.stack([up[g] for g in groups]))
         weights[f"{moe}.switch_mlp.down_proj.weight"] = mx.array(
-            np.stack([down[:, g] * config.top_k for g in groups])  # (E, D, size)
+            np.stack([down[:, g] * expert_scale for g in groups])  # (E, D, size)
         )
+        if shared:
+            weights[f"{moe}.shared_expert.gate_proj.weight"] = mx.array(gate[always])
+            weights[f"{moe}.shared_expert.up_proj.weight"] = mx.array(up[always])
+            # sigmoid(0) = 1/2, exactly
+            weights[f"{moe}.shared_expert.down_proj.weight"] = mx.array(down[:, always] * 2)
+            weights[f"{moe}.shared_expert_gate.weight"] = mx.zeros((1, cfg["hidden_size"]))
         for name in ("input_layernorm", "post_attention_layernorm"):
             weights[f"{p}.{name}.weight"] = getattr(layer, name).weight
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             weights[f"{p}.self_attn.{proj}.weight"] = getattr(layer.self_attn, proj).weight
+            if shared and proj != "o_proj":  # Qwen2's q, k, v projections have biases
+                out_features = getattr(layer.self_attn, proj).weight.shape[0]
+                weights[f"{p}.self_attn.{proj}.bias"] = mx.zeros((out_features,))
         bar.update(1)
     bar.close()
     moe_cfg = {
-        "model_type": "mixtral",
-        "architectures": ["MixtralForCausalLM"],
         "vocab_size": cfg["vocab_size"],
         "hidden_size": cfg["hidden_size"],
-        "intermediate_size": size,
         "num_hidden_layers": n_layers,
         "num_attention_heads": cfg["num_attention_heads"],
         "num_key_value_heads": cfg["num_key_value_heads"],
-        "num_local_experts": E,
         "num_experts_per_tok": config.top_k,
         "rms_norm_eps": cfg["rms_norm_eps"],
         "rope_theta": cfg["rope_theta"],
@@ -290,11 +330,30 @@ def moefy(
         "eos_token_id": cfg.get("eos_token_id"),
         "torch_dtype": "float32",
     }
+    if shared:
+        moe_cfg.update(
+            model_type="qwen2_moe",
+            architectures=["Qwen2MoeForCausalLM"],
+            intermediate_size=n_neurons,  # unused by a model whose every layer is sparse
+            moe_intermediate_size=size,
+            shared_expert_intermediate_size=shared,
+            num_experts=E,
+            tie_word_embeddings=False,  # the lm_head is written out
+        )
+    else:
+        moe_cfg.update(
+            model_type="mixtral",
+            architectures=["MixtralForCausalLM"],
+            intermediate_size=size,
+            num_local_experts=E,
+        )
     if (
         cfg["hidden_size"] // cfg["num_attention_heads"] != cfg.get("head_dim", 0)
         and "head_dim" in cfg
     ):
-        raise ExpertCacheError("Mixtral derives head_dim = hidden_size / heads; this model differs")
+        raise ExpertCacheError(
+            "Mixtral and Qwen2-MoE derive head_dim = hidden_size / heads; this model differs"
+        )
     record = {
         "format": BUILD_FORMAT,
         "key": key,
@@ -357,5 +416,6 @@ def moefy_cached(
     dense_dir = Path(dense_dir)
     ids = load_tokenizer(dense_dir).encode(calibration_text())
     key = build_key(dense_dir, ids, config)[:12]
-    name = f"{dense_dir.name}-moe{config.num_experts}-top{config.top_k}-{__version__}-{key}"
+    shared = f"-shared{config.shared_size}" if config.shared_size else ""
+    name = f"{dense_dir.name}-moe{config.num_experts}-top{config.top_k}{shared}-{__version__}-{key}"
     return moefy(dense_dir, Path(cache_root) / name, ids, config, progress=progress)

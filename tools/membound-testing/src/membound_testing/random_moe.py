@@ -1,22 +1,18 @@
-"""Random MoE checkpoints built from mlx-lm's own model classes (tests, benchmarks, demo).
+"""Random MoE checkpoints built from mlx-lm's own model classes, for moe-expert-cache's
+tests, benchmarks and the integration tests (moved here from the installed package).
 
 Written in mlx-lm's layout (``config.json``, sharded ``model-0000i-of-0000n.safetensors``,
 ``model.safetensors.index.json``) so that both ``mlx_lm.utils.load_model`` and
-:func:`moe_expert_cache.load_cached_model` read it.
+:func:`moe_expert_cache.load_cached_model` read it. MLX, mlx-lm and moe-expert-cache are
+imported inside :func:`write_random_moe`: every dev environment installs this helper
+package, only moe-expert-cache's have MLX.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
-
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-
-from moe_expert_cache.errors import ExpertCacheError
-from moe_expert_cache.expert_store import seal_model
-from moe_expert_cache.loader import _model_classes
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
@@ -35,7 +31,7 @@ def random_moe_config(
 ) -> dict:
     """An mlx-lm ``config.json`` for a small ``model_type`` MoE (every layer sparse)."""
     if model_type not in ARCHITECTURES:
-        raise ExpertCacheError(f"model_type must be one of {ARCHITECTURES}, got {model_type!r}")
+        raise ValueError(f"model_type must be one of {ARCHITECTURES}, got {model_type!r}")
     common = {
         "model_type": model_type,
         "vocab_size": vocab_size,
@@ -80,17 +76,27 @@ def write_random_moe(
     group_size: int = 64,
     shards: int = 2,
     seed: int = 0,
-    dtype: mx.Dtype = mx.float32,
+    dtype=None,
 ) -> Path:
-    """Build ``config``'s model with random ``dtype`` weights (``bits``-bit affine quantized
-    when given) and save it to ``directory`` as ``shards`` safetensors files, with an
-    integrity record (:func:`moe_expert_cache.seal_model`)."""
+    """Build ``config``'s model with random weights of the MLX ``dtype`` (float32 when None;
+    ``bits``-bit affine quantized when given) and save it to ``directory`` as ``shards``
+    safetensors files, with an integrity record (:func:`moe_expert_cache.seal_model`)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from moe_expert_cache import seal_model
+
+    if config.get("model_type") not in ARCHITECTURES:
+        raise ValueError(
+            f"model_type must be one of {ARCHITECTURES}, got {config.get('model_type')!r}"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model_class, args_class = _model_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.set_dtype(dtype)
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32 if dtype is None else dtype)
     config = dict(config)
     if bits is not None:
         nn.quantize(
