@@ -1,21 +1,31 @@
-"""kvpress's presses on the same pass-key samples, at the same final KV size as bmrt-kv.
+"""kvpress's presses on the same samples as bmrt-kv, at the same kept size per layer.
 
 Runs in its own environment (kvpress needs transformers < 5.3):
 ``hatch run kvpress:python packages/bmrt-kv/benchmarks/kvpress_baseline.py``.
 
 This follows kvpress's own pipeline: the whole context is prefilled in one forward with
-the press hooked in (each layer's cache is compressed right after its attention, so the
-full-length cache of one layer and the full activations exist during prefill: the
-peak is not bounded the way bmrt-kv's is), then the question is fed with position ids
-continuing the original ones and the answer decoded greedily without compression.
-``compression_ratio = 1 - B / context_tokens`` so each layer keeps B tokens, as bmrt-kv's
-budget does.
+the press hooked in after each attention layer (each layer's cache is compressed right
+after its attention, so the full-length cache of a layer and the full activations exist
+during prefill: the peak is not bounded the way bmrt-kv's is), then the question is fed
+with position ids continuing the original ones and the answer decoded greedily without
+compression. ``compression_ratio`` is set so that every layer keeps exactly B tokens, as
+bmrt-kv's budget does.
+
+**One prefill serves every press and budget.** A press compresses a layer's cache after
+that layer's attention has run, so it changes nothing the prefill computes afterwards: the
+hidden states every layer sees are the same whatever the press. So this script hooks every
+(press, budget) pair into one prefill (each pair calls kvpress's own ``press.compress`` on
+the layer's full keys and values, exactly what ``BasePress.forward_hook`` does) and keeps
+each pair's compressed cache, then decodes each one. The uncompressed cache left by that
+prefill is the full-cache ceiling. Before the samples, ``--check-tokens`` (on by default)
+runs every pair through kvpress's own ``with press(model):`` on a short sample and stops
+the run unless every layer's kept keys and values are bitwise equal to the shared path's.
 
 Two modes (``--modes``): ``agnostic`` compresses the context alone and feeds the question
 after it, uncompressed; ``query_aware`` compresses the context with the question appended
 (kvpress's ``compress_questions``: the press sees the question) and answers from there.
 ``--tasks`` runs the RULER-style suite (``bmrt_kv.suite``) instead of the pass key, and
-writes ``results/kvpress_suite.json`` with a task column.
+writes ``results/<name>.json`` with a task column.
 """
 
 from __future__ import annotations
@@ -24,7 +34,6 @@ import argparse
 import importlib.metadata
 import os
 import resource
-import statistics
 import sys
 import time
 
@@ -35,6 +44,7 @@ from bmrt_kv.evaluation import passkey_samples
 from bmrt_kv.suite import TASKS, suite_samples
 
 PRESSES = ["streaming_llm", "snapkv", "tova", "expected_attention", "keydiff"]
+COLUMNS = ["tokens", "task", "method", "B", "scoring", "correct", "kept tokens/layer"]
 
 
 def make_press(name: str, ratio: float):
@@ -56,31 +66,73 @@ def make_press(name: str, ratio: float):
     return classes[name](compression_ratio=ratio)
 
 
+def ratio_for(budget: int, n_tokens: int) -> float:
+    """The compression ratio at which kvpress keeps ``budget`` of ``n_tokens`` per layer
+    (its ``compute_n_kept`` truncates ``n * (1 - ratio)``; the half token absorbs float
+    error)."""
+    return max(0.0, 1.0 - (budget + 0.5) / n_tokens)
+
+
+def _attention_modules(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
 @torch.inference_mode()
-def run_sample(model, tokenizer, sample, press, query_aware: bool = False) -> dict:
+def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple:
+    """One prefill of ``ids`` with every press of ``presses`` ({key: press}) compressing a
+    copy of each layer's cache. Returns (last logits, the full DynamicCache, {key: [(keys,
+    values) per layer]})."""
+    from kvpress.presses.base_press import is_prefilling
+    from kvpress.utils import extract_keys_and_values
     from transformers import DynamicCache
 
-    max_new_tokens = sample.max_new_tokens
-    text = sample.context + (sample.question if query_aware else "")
-    context = tokenizer(text, return_tensors="pt").input_ids
-    question = tokenizer(sample.question, return_tensors="pt", add_special_tokens=False).input_ids
+    kept: dict = {key: [] for key in presses}
+
+    def hook(module, args, kwargs, output):
+        hidden = kwargs["hidden_states"]
+        if not is_prefilling(kwargs["cache_position"], hidden.shape[1]):
+            return output
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        for key, press in presses.items():
+            kept[key].append(press.compress(module, hidden, keys, values, output[1], kwargs))
+        return output
+
+    for press in presses.values():
+        press.post_init_from_model(model)
+    handles = []
+    try:
+        for module in _attention_modules(model):
+            module.rotary_emb = model.model.rotary_emb  # as BasePress.__call__ does
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        cache = DynamicCache()
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, cache, kept
+
+
+def cache_from(layers) -> object:
+    from transformers import DynamicCache
+
     cache = DynamicCache()
-    start = time.perf_counter()
-    with press(model):
-        logits = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits
-    prefill = time.perf_counter() - start
-    kept = cache.get_seq_length()
-    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    n = context.shape[1]
-    start = time.perf_counter()
-    if not query_aware:
-        positions = torch.arange(n, n + question.shape[1]).unsqueeze(0)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
+    return cache
+
+
+@torch.inference_mode()
+def answer(model, tokenizer, cache, logits, n_positions: int, question, max_new_tokens: int):
+    """Feed ``question`` (ids, or None when the prefill already held it) at positions from
+    ``n_positions`` on, then decode greedily; returns the text."""
+    position = n_positions
+    if question is not None:
+        positions = torch.arange(position, position + question.shape[1]).unsqueeze(0)
         logits = model(
             input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1
         ).logits
-        n += question.shape[1]
+        position += question.shape[1]
     new: list[int] = []
-    position = n
     for _ in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
         new.append(token)
@@ -93,23 +145,77 @@ def run_sample(model, tokenizer, sample, press, query_aware: bool = False) -> di
             logits_to_keep=1,
         ).logits
         position += 1
-    decode = time.perf_counter() - start
-    text = tokenizer.decode(new, skip_special_tokens=True).strip()
-    return {
-        "correct": sample.correct(text),
-        "output": text,
-        "prefill_tokens_per_s": n / prefill,
-        "decode_tokens_per_s": len(new) / decode,
-        "kv_bytes": kv,
-        "kept": kept,
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+def run_sample(model, tokenizer, sample, presses: list[str], budgets: list[int], mode: str):
+    """Every press at every budget, and the full cache, on one sample in one mode; returns
+    {(method, budget): (correct, kept tokens per layer)}."""
+    query_aware = mode == "query_aware"
+    text = sample.context + (sample.question if query_aware else "")
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    question = None
+    if not query_aware:
+        question = tokenizer(sample.question, return_tensors="pt", add_special_tokens=False)
+        question = question.input_ids
+    n = ids.shape[1]
+    pairs = {
+        (name, budget): make_press(name, ratio_for(budget, n))
+        for name in presses
+        for budget in budgets
     }
+    logits, full, kept = shared_prefill(model, ids, pairs)
+    out = {}
+    for (name, budget), layers in kept.items():
+        # Each pair decodes from the prefill's own last logits (query-aware) or feeds the
+        # question first (agnostic); its cache is its own.
+        text = answer(
+            model, tokenizer, cache_from(layers), logits, n, question, sample.max_new_tokens
+        )
+        out[(f"kvpress {name}", budget)] = (sample.correct(text), layers[0][0].shape[2], text)
+    text = answer(model, tokenizer, full, logits, n, question, sample.max_new_tokens)
+    out[("full", "-")] = (sample.correct(text), n, text)
+    return out
+
+
+@torch.inference_mode()
+def check_shared(model, tokenizer, n_tokens: int, presses: list[str], budgets: list[int]):
+    """Every (press, budget) through kvpress's own ``with press(model):`` on one sample of
+    ``n_tokens``, against the shared prefill: every layer's kept keys and values must be
+    bitwise equal. Raises SystemExit naming the first pair that differs."""
+    from transformers import DynamicCache
+
+    sample = passkey_samples(tokenizer, n_tokens, 1, seed=12345)[0]
+    ids = tokenizer(sample.context, return_tensors="pt").input_ids
+    n = ids.shape[1]
+    budgets = [b for b in budgets if b < n]
+    if not budgets:
+        raise SystemExit(f"--check-tokens {n_tokens} is not above any budget {budgets}")
+    pairs = {(p, b): make_press(p, ratio_for(b, n)) for p in presses for b in budgets}
+    _, _, kept = shared_prefill(model, ids, pairs)
+    for (name, budget), layers in kept.items():
+        cache = DynamicCache()
+        with make_press(name, ratio_for(budget, n))(model):
+            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        for i, (keys, values) in enumerate(layers):
+            own = cache.layers[i]
+            if keys.shape[2] != budget:
+                raise SystemExit(f"{name} at B={budget} kept {keys.shape[2]} tokens")
+            if not (torch.equal(own.keys, keys) and torch.equal(own.values, values)):
+                raise SystemExit(
+                    f"shared prefill differs from kvpress's own pipeline: {name} at "
+                    f"B={budget}, layer {i}"
+                )
+    return len(kept), n
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[7500])
     parser.add_argument("--samples", type=int, default=20)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1024])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--presses", nargs="+", default=PRESSES, choices=PRESSES)
     parser.add_argument(
         "--modes", nargs="+", default=["agnostic"], choices=["agnostic", "query_aware"]
@@ -117,15 +223,32 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--tasks", nargs="+", default=None, choices=TASKS, help="suite tasks (default: pass key)"
     )
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=1500,
+        help="length of the sample checked against kvpress's own pipeline (0: no check)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--name", default=None, help="results/<name>.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    name = args.name or ("kvpress_suite" if args.tasks else "kvpress_baseline")
 
     from membound_testing import load_smollm2
 
     model, tokenizer = load_smollm2()
     load_start = os.getloadavg()[0]
+    checked = "no check against kvpress's own pipeline (--check-tokens 0)"
+    if args.check_tokens:
+        pairs, n = check_shared(model, tokenizer, args.check_tokens, args.presses, args.budgets)
+        checked = (
+            f"checked first: all {pairs} (press, budget) pairs below {n} tokens gave, through "
+            "kvpress's own `with press(model):`, keys and values bitwise equal to the shared "
+            "prefill's, in every layer"
+        )
+        print(checked, flush=True)
     rows = []
     for n_tokens in args.lengths:
         if args.tasks:
@@ -134,58 +257,40 @@ def main(argv=None) -> None:
             by_task = {"passkey": passkey_samples(tokenizer, n_tokens, args.samples, args.seed)}
         for task, samples in by_task.items():
             for mode in args.modes:
-                for budget in args.budgets:
-                    for name in args.presses:
-                        rows.append(_run(model, tokenizer, samples, name, n_tokens, budget, mode))
-                        if args.tasks:
-                            rows[-1].insert(1, task)
-                        print(rows[-1], flush=True)
-                        _write(args, argv, rows, load_start)
+                start = time.perf_counter()
+                results = [
+                    run_sample(model, tokenizer, s, args.presses, args.budgets, mode)
+                    for s in samples
+                ]
+                seconds = (time.perf_counter() - start) / len(samples)
+                for key in results[0]:
+                    method, budget = key
+                    kept = sorted({r[key][1] for r in results})
+                    rows.append(
+                        [
+                            n_tokens,
+                            task,
+                            method,
+                            budget,
+                            mode,
+                            f"{sum(r[key][0] for r in results)}/{len(results)}",
+                            str(kept[0]) if len(kept) == 1 else f"{kept[0]}-{kept[-1]}",
+                        ]
+                    )
+                    print(rows[-1], repr(results[0][key][2][:60]), flush=True)
+                print(f"{task} {mode}: {seconds:.1f} s/sample for all pairs", flush=True)
+                _write(args, argv, name, rows, load_start, checked)
 
 
-def _run(model, tokenizer, samples, name, n_tokens, budget, mode) -> list:
-    results = []
-    for sample in samples:
-        text = sample.context + (sample.question if mode == "query_aware" else "")
-        n = len(tokenizer(text).input_ids)
-        press = make_press(name, max(0.0, 1.0 - budget / n))
-        results.append(run_sample(model, tokenizer, sample, press, mode == "query_aware"))
-    kept = {r["kept"] for r in results}
-    return [
-        n_tokens,
-        f"kvpress {name}",
-        budget,
-        mode,
-        f"{sum(r['correct'] for r in results)}/{len(results)}",
-        round(statistics.median(r["prefill_tokens_per_s"] for r in results), 1),
-        round(statistics.median(r["decode_tokens_per_s"] for r in results), 1),
-        round(max(r["kv_bytes"] for r in results) / 2**20, 1),
-        f"{min(kept)}-{max(kept)}" if len(kept) > 1 else str(kept.pop()),
-    ]
-
-
-def _write(args, argv, rows, load_start) -> None:
-    """Rewrite the JSON after every configuration, so a cut-off run keeps what it measured."""
+def _write(args, argv, name, rows, load_start, checked) -> None:
+    """Rewrite the JSON after every task and mode, so a cut-off run keeps what it measured."""
     import transformers
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    columns = [
-        "tokens",
-        "press",
-        "B",
-        "scoring",
-        "correct",
-        "prefill tok/s",
-        "decode tok/s",
-        "final KV MiB",
-        "kept tokens/layer",
-    ]
-    if args.tasks:
-        columns.insert(1, "task")
     write_result(
-        "kvpress_suite" if args.tasks else "kvpress_baseline",
-        "kvpress presses on the same samples as bmrt-kv (same final KV size)",
-        columns,
+        name,
+        "kvpress presses on the same samples as bmrt-kv (same kept tokens per layer)",
+        COLUMNS,
         rows,
         [],
         command="hatch run kvpress:python packages/bmrt-kv/benchmarks/kvpress_baseline.py "
@@ -193,11 +298,13 @@ def _write(args, argv, rows, load_start) -> None:
         notes=f"kvpress {importlib.metadata.version('kvpress')} with transformers "
         f"{transformers.__version__}; samples as bmrt-kv's "
         + ("suite.py" if args.tasks else "passkey.py")
-        + f" (seed {args.seed}); modes {args.modes}. The whole context is prefilled at once "
-        "(kvpress's pipeline), so peak memory is the full cache of a layer plus the full "
-        f"activations; peak RSS of the run {rss / 2**20:.0f} MiB. 1-minute load average "
-        f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the last row "
-        "(2 cores).",
+        + f" (seed {args.seed}, {args.samples} per task and length); modes {args.modes}. "
+        "One prefill per sample and mode serves every press and budget (see the script's "
+        f"docstring); {checked}. 'full' is the uncompressed cache of the same prefill. The "
+        "whole context is prefilled at once (kvpress's pipeline), so peak memory is the "
+        f"full cache plus the full activations; peak RSS of the run {rss / 2**20:.0f} MiB. "
+        f"1-minute load average {load_start:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the last row (2 cores).",
     )
 
 

@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from common import COMMAND, RESULTS, write_result
+from common import COMMAND, RESULTS, add_run_flags, write_result
 
 from bmrt_kv import SELECTORS, BMRTConfig
 from bmrt_kv.evaluation import multikey_sample, passkey_samples, run_sample
@@ -57,21 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--multikey", type=int, default=0, help="keys per sample (0: single)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument(
-        "--kernel", type=int, default=None, help="max-pool width for exact and snapkv (odd)"
-    )
-    parser.add_argument(
-        "--question-weight",
-        type=float,
-        default=0.5,
-        help="query-aware rows: the question's share of the scoring weight, in (0, 1]",
-    )
-    parser.add_argument(
-        "--append",
-        action="store_true",
-        help="add the rows to results/<name>.json instead of replacing it",
-    )
+    add_run_flags(parser)
     parser.add_argument(
         "--name", default=None, help="results/<name>.json (default: passkey or passkey_multikey)"
     )

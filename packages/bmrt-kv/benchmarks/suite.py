@@ -13,13 +13,14 @@ a cut-off run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
 import time
 
 import torch
-from common import write_result
+from common import RESULTS, add_run_flags, write_result
 
 from bmrt_kv import SELECTORS, BMRTConfig
 from bmrt_kv.evaluation import run_sample
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
         choices=["agnostic", "query_aware"],
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_run_flags(parser)
     parser.add_argument("--name", default="suite", help="results/<name>.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -56,7 +57,10 @@ def main(argv=None) -> None:
 
     model, tokenizer = load_smollm2()
     load_start = os.getloadavg()[0]
-    rows = []
+    rows, earlier = [], None
+    if args.append and (RESULTS / f"{args.name}.json").is_file():
+        earlier = json.loads((RESULTS / f"{args.name}.json").read_text())
+        rows = earlier["rows"]
     for n_tokens in args.lengths:
         by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, args.tasks)
         runs = [("full", None, "-")] if "full" in args.selectors else []
@@ -70,27 +74,41 @@ def main(argv=None) -> None:
         ]
         for task, samples in by_task.items():
             for selector, budget, scoring in runs:
-                config = None
+                config, options = None, {}
+                if args.kernel is not None and selector in ("exact", "snapkv"):
+                    options["kernel"] = args.kernel
                 if selector != "full":
-                    config = BMRTConfig(budget=budget, selector=selector, scoring=scoring)
+                    config = BMRTConfig(
+                        budget=budget,
+                        selector=selector,
+                        selector_options=options,
+                        scoring=scoring,
+                        question_weight=args.question_weight,
+                    )
+                # snapkv scores with its observation window and ignores query weights.
+                weighted = (
+                    scoring == "query_aware"
+                    and args.question_weight != 0.5
+                    and selector != "snapkv"
+                )
                 start = time.perf_counter()
                 results = [run_sample(model, tokenizer, s, config) for s in samples]
                 row = [
                     n_tokens,
                     task,
-                    selector,
+                    selector + (f" (kernel {options['kernel']})" if options else ""),
                     budget or "-",
-                    scoring,
+                    scoring + (f" (question {args.question_weight})" if weighted else ""),
                     f"{sum(r['correct'] for r in results)}/{len(results)}",
                     round(max(r["peak_kv_bytes"] for r in results) / 2**20, 1),
                     round((time.perf_counter() - start) / len(results), 1),
                 ]
                 rows.append(row)
                 print(row, repr(results[0]["output"][:60]), flush=True)
-                _write(args, argv, rows, load_start)
+                _write(args, argv, rows, load_start, earlier)
 
 
-def _write(args, argv, rows, load_start) -> None:
+def _write(args, argv, rows, load_start, earlier=None) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     flags = sys.argv[1:] if argv is None else argv
     write_result(
@@ -100,10 +118,16 @@ def _write(args, argv, rows, load_start) -> None:
         COLUMNS,
         rows,
         [],
-        command="hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite.py " + " ".join(flags),
-        notes=f"Ran: lengths {args.lengths}, tasks {args.tasks}, {args.samples} samples, "
+        command=(earlier["command"] + " ; then " if earlier else "")
+        + "hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite.py "
+        + " ".join(flags),
+        notes=(earlier["notes"] + " THEN (--append) " if earlier else "")
+        + f"Ran: lengths {args.lengths}, tasks {args.tasks}, {args.samples} samples, "
         f"budgets {args.budgets}, selectors {args.selectors}, scorings {args.scorings}, "
-        f"seed {args.seed}; each selector at its default options. Peak RSS of the run "
+        f"seed {args.seed}; "
+        + (f"kernel {args.kernel}, " if args.kernel is not None else "")
+        + (f"question weight {args.question_weight}, " if args.question_weight != 0.5 else "")
+        + "other options at their defaults. Peak RSS of the run "
         f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the last row (2 cores): s/sample is context only.",
     )

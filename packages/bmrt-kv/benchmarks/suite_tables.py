@@ -1,0 +1,156 @@
+"""bmrt-kv and kvpress side by side on the RULER-style suite: one table per scoring mode.
+
+Reads what ``suite.py`` (bmrt-kv) and ``kvpress_baseline.py --tasks`` (kvpress) wrote for
+the same samples and writes ``results/<name>_<mode>.json``: a row per method and budget, a
+column per task (correct / samples) and the mean accuracy over tasks, with #18's targets.
+Query-free selectors (keydiff, streaming) ignore the question, so their agnostic rows
+stand in both tables, marked as such.
+
+    hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite_tables.py \\
+        --bmrt suite_8k --kvpress kvpress_suite_8k --name side_by_side_8k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+from common import RESULTS, write_result
+
+from bmrt_kv import BMRTConfig
+
+QUERY_FREE = {"streaming", "keydiff"}
+MODES = ("query_aware", "agnostic")
+
+
+def _fraction(text: str) -> tuple[int, int]:
+    hit, total = text.split("/")
+    return int(hit), int(total)
+
+
+def collect(bmrt: dict, kvpress: dict, mode: str, tokens: int):
+    """{(method, B): {task: "k/n"}} for ``mode`` at ``tokens``, and the task order."""
+    cells: dict = defaultdict(dict)
+    tasks: list[str] = []
+    for row in bmrt["rows"]:
+        n, task, selector, budget, scoring, correct = row[:6]
+        if n != tokens:
+            continue
+        tasks.append(task)
+        base = scoring.split(" ")[0]
+        if selector == "full":
+            continue  # the full cache comes from kvpress's unchunked prefill, below
+        if base == mode:
+            cells[(f"bmrt-kv {selector}" + (f" {scoring}" if base != scoring else ""), budget)][
+                task
+            ] = correct
+        elif selector in QUERY_FREE and base == "agnostic":
+            cells[(f"bmrt-kv {selector} (query-free)", budget)][task] = correct
+    for row in kvpress["rows"]:
+        n, task, method, budget, scoring, correct = row[:6]
+        if n == tokens and scoring == mode:
+            tasks.append(task)
+            cells[(method, budget)][task] = correct
+    return cells, list(dict.fromkeys(tasks))
+
+
+def mean(cell: dict, tasks: list[str]) -> float | None:
+    """Mean accuracy over ``tasks``; None unless every task ran."""
+    if any(t not in cell for t in tasks):
+        return None
+    return sum(_fraction(cell[t])[0] / _fraction(cell[t])[1] for t in tasks) / len(tasks)
+
+
+def table(cells: dict, tasks: list[str]) -> list[list]:
+    def key(item):
+        (method, budget), cell = item
+        order = -1 if budget == "-" else budget
+        m = mean(cell, tasks)
+        return (order, -(m if m is not None else -1), method)
+
+    rows = []
+    for (method, budget), cell in sorted(cells.items(), key=key):
+        m = mean(cell, tasks)
+        rows.append(
+            [method, budget]
+            + [cell.get(t, "-") for t in tasks]
+            + ["-" if m is None else f"{100 * m:.1f}"]
+        )
+    return rows
+
+
+def targets(cells: dict, tasks: list[str], mode: str) -> list[dict]:
+    """#18's targets for ``mode``, judged on the rows that ran every task."""
+    means = {k: mean(c, tasks) for k, c in cells.items()}
+    means = {k: v for k, v in means.items() if v is not None}
+    full = means.get(("full", "-"))
+    default = BMRTConfig().selector
+    out = []
+    for budget in sorted({b for _, b in means if b != "-"}):
+        kv = {m: v for (m, b), v in means.items() if b == budget and m.startswith("kvpress")}
+        ours = {m: v for (m, b), v in means.items() if b == budget and m.startswith("bmrt-kv")}
+        if not kv or not ours:
+            continue
+        best_kv = max(kv, key=kv.get)
+        if mode == "query_aware":
+            mine = next((m for m in ours if m.split(" ")[1] == default), None)
+            if mine is None:
+                continue
+            label = f"the defaults ({default})"
+        else:
+            mine = max(ours, key=ours.get)
+            label = "best agnostic bmrt-kv"
+        out.append(
+            {
+                "target": f"{mode}, B={budget}: {label} >= best kvpress press",
+                "measured": f"{mine} {100 * ours[mine]:.1f}% vs {best_kv} {100 * kv[best_kv]:.1f}%",
+                "met": ours[mine] >= kv[best_kv],
+            }
+        )
+        if mode == "query_aware" and budget == 1024 and full is not None:
+            out.append(
+                {
+                    "target": "query_aware, B=1024: the defaults >= 90% of the full cache",
+                    "measured": f"{100 * ours[mine]:.1f}% vs full {100 * full:.1f}% "
+                    f"({100 * ours[mine] / full:.0f}% of it)"
+                    if full
+                    else "full cache 0%",
+                    "met": full > 0 and ours[mine] >= 0.9 * full,
+                }
+            )
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bmrt", default="suite_8k", help="results/<name>.json of suite.py")
+    parser.add_argument("--kvpress", default="kvpress_suite_8k", help="kvpress_baseline.py's")
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--name", default="side_by_side_8k")
+    args = parser.parse_args(argv)
+    bmrt = json.loads((RESULTS / f"{args.bmrt}.json").read_text())
+    kvpress = json.loads((RESULTS / f"{args.kvpress}.json").read_text())
+    for mode in MODES:
+        cells, tasks = collect(bmrt, kvpress, mode, args.tokens)
+        write_result(
+            f"{args.name}_{mode}",
+            f"Side by side, {mode.replace('_', '-')}: bmrt-kv and kvpress on the RULER-style "
+            f"suite at {args.tokens} tokens (correct / samples per task, mean over tasks %)",
+            ["method", "B", *tasks, "mean %"],
+            table(cells, tasks),
+            targets(cells, tasks, mode),
+            command="hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite_tables.py "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            notes=f"From results/{args.bmrt}.json ({bmrt['command']}; {bmrt['notes']}) and "
+            f"results/{args.kvpress}.json ({kvpress['command']}; {kvpress['notes']}). The "
+            "full cache row is kvpress's uncompressed prefill of the same samples. "
+            f"bmrt-kv's defaults select with {BMRTConfig().selector}.",
+        )
+
+
+if __name__ == "__main__":
+    main()
