@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND = "hatch run bmrt-kv:bench"
+# These selectors ignore the queries: their scoring mode changes nothing.
+QUERY_FREE = {"streaming", "keydiff"}
 
 
 def add_run_flags(parser) -> None:
@@ -25,6 +28,54 @@ def add_run_flags(parser) -> None:
         action="store_true",
         help="add the rows to results/<name>.json instead of replacing it",
     )
+
+
+def runs(selectors, budgets, scorings) -> list[tuple]:
+    """(selector, budget, scoring) to run: the full cache first if asked, and no
+    query-aware run of a query-free selector."""
+    out = [("full", None, "-")] if "full" in selectors else []
+    out += [
+        (selector, budget, scoring)
+        for selector in selectors
+        if selector != "full"
+        for budget in budgets
+        for scoring in scorings
+        if not (selector in QUERY_FREE and scoring == "query_aware")
+    ]
+    return out
+
+
+def run_config(args, selector: str, budget, scoring: str, block_size: int = 512):
+    """The BMRTConfig of one run (None for the full cache) from the shared flags, and the
+    selector and scoring labels of its row."""
+    from bmrt_kv import BMRTConfig
+
+    options = {}
+    if args.kernel is not None and selector in ("exact", "snapkv"):
+        options["kernel"] = args.kernel
+    config = None
+    if selector != "full":
+        config = BMRTConfig(
+            budget=budget,
+            block_size=block_size,
+            selector=selector,
+            selector_options=options,
+            scoring=scoring,
+            question_weight=args.question_weight,
+        )
+    # snapkv scores with its observation window and ignores query weights.
+    weighted = scoring == "query_aware" and args.question_weight != 0.5 and selector != "snapkv"
+    return (
+        config,
+        selector + (f" (kernel {options['kernel']})" if options else ""),
+        scoring + (f" (question {args.question_weight})" if weighted else ""),
+    )
+
+
+def earlier_result(name: str, append: bool) -> dict | None:
+    """results/<name>.json when ``--append`` asks to add to it, else None."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if append and path.is_file() else None
 
 
 def write_result(name: str, title: str, columns, rows, targets, notes: str, command=COMMAND):

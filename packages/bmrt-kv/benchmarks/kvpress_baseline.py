@@ -73,10 +73,6 @@ def ratio_for(budget: int, n_tokens: int) -> float:
     return max(0.0, 1.0 - (budget + 0.5) / n_tokens)
 
 
-def _attention_modules(model):
-    return [layer.self_attn for layer in model.model.layers]
-
-
 @torch.inference_mode()
 def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple:
     """One prefill of ``ids`` with every press of ``presses`` ({key: press}) compressing a
@@ -101,7 +97,7 @@ def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple:
         press.post_init_from_model(model)
     handles = []
     try:
-        for module in _attention_modules(model):
+        for module in (layer.self_attn for layer in model.model.layers):
             module.rotary_emb = model.model.rotary_emb  # as BasePress.__call__ does
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
         cache = DynamicCache()
@@ -112,7 +108,7 @@ def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple:
     return logits, cache, kept
 
 
-def cache_from(layers) -> object:
+def cache_from(layers):
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -150,7 +146,7 @@ def answer(model, tokenizer, cache, logits, n_positions: int, question, max_new_
 
 def run_sample(model, tokenizer, sample, presses: list[str], budgets: list[int], mode: str):
     """Every press at every budget, and the full cache, on one sample in one mode; returns
-    {(method, budget): (correct, kept tokens per layer)}."""
+    {(method, budget): (correct, kept tokens per layer, answer text)}."""
     query_aware = mode == "query_aware"
     text = sample.context + (sample.question if query_aware else "")
     ids = tokenizer(text, return_tensors="pt").input_ids

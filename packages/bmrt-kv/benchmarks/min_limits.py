@@ -30,14 +30,12 @@ import time
 from pathlib import Path
 
 PASS_KEY = 48213
-HERE = Path(__file__).resolve().parent
 
 
 def child(method: str, tokens: int, budget: int) -> None:
     """Answer the pass key with ``method``; prints the answer on the last line."""
     import torch
 
-    sys.path.insert(0, str(HERE))
     from bmrt_kv.evaluation import passkey_sample
     from membound_testing import load_smollm2
 

@@ -10,7 +10,6 @@ scoring modes); ``--quick`` and the flags run a subset, and the JSON says exactl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import resource
@@ -19,12 +18,10 @@ import sys
 import time
 
 import torch
-from common import COMMAND, RESULTS, add_run_flags, write_result
+from common import COMMAND, add_run_flags, earlier_result, run_config, runs, write_result
 
-from bmrt_kv import SELECTORS, BMRTConfig
+from bmrt_kv import SELECTORS
 from bmrt_kv.evaluation import multikey_sample, passkey_samples, run_sample
-
-QUERY_FREE = {"streaming", "keydiff"}
 
 
 def samples_for(tokenizer, n_tokens: int, count: int, multikey: int, seed: int):
@@ -72,50 +69,25 @@ def main(argv=None) -> None:
     model, tokenizer = load_smollm2()
     name = args.name or ("passkey_multikey" if args.multikey else "passkey")
     load_start = os.getloadavg()[0]
-    rows, earlier = [], None
-    if args.append and (RESULTS / f"{name}.json").is_file():
-        earlier = json.loads((RESULTS / f"{name}.json").read_text())
-        rows = earlier["rows"]
+    earlier = earlier_result(name, args.append)
+    rows = earlier["rows"] if earlier else []
+    plan = runs(args.selectors, args.budgets, args.scorings)
     for n_tokens in args.lengths:
         samples = samples_for(tokenizer, n_tokens, args.samples, args.multikey, args.seed)
-        runs = [("full", None, "-")] if "full" in args.selectors else []
-        runs += [
-            (selector, budget, scoring)
-            for selector in args.selectors
-            if selector != "full"
-            for budget in args.budgets
-            for scoring in args.scorings
-            # these ignore the queries: their scoring mode changes nothing
-            if not (selector in QUERY_FREE and scoring == "query_aware")
-        ]
-        for selector, budget, scoring in runs:
-            config = None
-            options = {}
-            if args.kernel is not None and selector in ("exact", "snapkv"):
-                options["kernel"] = args.kernel
-            if selector != "full":
-                config = BMRTConfig(
-                    budget=budget,
-                    block_size=args.block_size,
-                    selector=selector,
-                    selector_options=options,
-                    scoring=scoring,
-                    question_weight=args.question_weight,
-                )
+        for selector, budget, scoring in plan:
+            config, selector_label, scoring_label = run_config(
+                args, selector, budget, scoring, args.block_size
+            )
             start = time.perf_counter()
             results = []
             for i, sample in enumerate(samples):
                 results.append(run_sample(model, tokenizer, sample, config, args.block_size))
                 print(f"  {selector} {scoring} sample {i}: {results[-1]['output']!r}", flush=True)
-            # snapkv scores with its observation window and ignores query weights.
-            weighted = (
-                scoring == "query_aware" and args.question_weight != 0.5 and selector != "snapkv"
-            )
             row = [
                 n_tokens,
-                selector + (f" (kernel {options['kernel']})" if options else ""),
+                selector_label,
                 budget or "-",
-                scoring + (f" (question {args.question_weight})" if weighted else ""),
+                scoring_label,
                 f"{sum(r['correct'] for r in results)}/{len(results)}",
                 round(statistics.median(r["prefill_tokens_per_s"] for r in results), 1),
                 round(statistics.median(r["decode_tokens_per_s"] for r in results), 1),

@@ -13,20 +13,18 @@ a cut-off run keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
 import time
 
 import torch
-from common import RESULTS, add_run_flags, write_result
+from common import add_run_flags, earlier_result, run_config, runs, write_result
 
-from bmrt_kv import SELECTORS, BMRTConfig
+from bmrt_kv import SELECTORS
 from bmrt_kv.evaluation import run_sample
 from bmrt_kv.suite import TASKS, suite_samples
 
-QUERY_FREE = {"streaming", "keydiff"}
 COLUMNS = ["tokens", "task", "selector", "B", "scoring", "correct", "peak KV MiB", "s/sample"]
 
 
@@ -57,48 +55,22 @@ def main(argv=None) -> None:
 
     model, tokenizer = load_smollm2()
     load_start = os.getloadavg()[0]
-    rows, earlier = [], None
-    if args.append and (RESULTS / f"{args.name}.json").is_file():
-        earlier = json.loads((RESULTS / f"{args.name}.json").read_text())
-        rows = earlier["rows"]
+    earlier = earlier_result(args.name, args.append)
+    rows = earlier["rows"] if earlier else []
+    plan = runs(args.selectors, args.budgets, args.scorings)
     for n_tokens in args.lengths:
         by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, args.tasks)
-        runs = [("full", None, "-")] if "full" in args.selectors else []
-        runs += [
-            (selector, budget, scoring)
-            for selector in args.selectors
-            if selector != "full"
-            for budget in args.budgets
-            for scoring in args.scorings
-            if not (selector in QUERY_FREE and scoring == "query_aware")
-        ]
         for task, samples in by_task.items():
-            for selector, budget, scoring in runs:
-                config, options = None, {}
-                if args.kernel is not None and selector in ("exact", "snapkv"):
-                    options["kernel"] = args.kernel
-                if selector != "full":
-                    config = BMRTConfig(
-                        budget=budget,
-                        selector=selector,
-                        selector_options=options,
-                        scoring=scoring,
-                        question_weight=args.question_weight,
-                    )
-                # snapkv scores with its observation window and ignores query weights.
-                weighted = (
-                    scoring == "query_aware"
-                    and args.question_weight != 0.5
-                    and selector != "snapkv"
-                )
+            for selector, budget, scoring in plan:
+                config, selector_label, scoring_label = run_config(args, selector, budget, scoring)
                 start = time.perf_counter()
                 results = [run_sample(model, tokenizer, s, config) for s in samples]
                 row = [
                     n_tokens,
                     task,
-                    selector + (f" (kernel {options['kernel']})" if options else ""),
+                    selector_label,
                     budget or "-",
-                    scoring + (f" (question {args.question_weight})" if weighted else ""),
+                    scoring_label,
                     f"{sum(r['correct'] for r in results)}/{len(results)}",
                     round(max(r["peak_kv_bytes"] for r in results) / 2**20, 1),
                     round((time.perf_counter() - start) / len(results), 1),
