@@ -57,6 +57,17 @@ def test_per_pass_decodes_each_layer_once_per_pass():
     )
 
 
+def test_per_pass_counts_passes_across_a_stats_reset():
+    """The pass index never goes back: after reset_stats, a pass is a new pass."""
+    model = make_toy()
+    compress_model(model, policy="per_pass")
+    with torch.no_grad():
+        model(torch.randn(1, 32))
+        reset_stats(model)
+        model(torch.randn(1, 32))
+    assert compression_stats(model).decompressions == N_LAYERS
+
+
 def test_layers_are_keyed_by_fully_qualified_name():
     """The seed's short-name bug gave every q_proj the first q_proj's weights."""
     plain, model = make_toy(), make_toy()

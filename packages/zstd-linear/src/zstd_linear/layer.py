@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -13,13 +14,24 @@ from zstd_linear.compressed import CompressedModule
 from zstd_linear.layout import dtype_name
 
 
+class WeightSource(Protocol):
+    """What serves a bound layer its decoded weight (the model's runtime)."""
+
+    def acquire(self, name: str) -> torch.Tensor:
+        """Layer ``name``'s decoded weight, (out_features, in_features), for one call."""
+
+    def release(self, name: str) -> None:
+        """The call that used ``acquire(name)``'s weight has returned."""
+
+
 class CompressedLinear(CompressedModule):
     """Drop-in for nn.Linear: ``y = x @ W.T + b`` with W decoded losslessly on demand.
 
     x: (..., in_features), the weight's dtype; returns (..., out_features). The bias
     stays a plain (out_features,) parameter (tiny). When and how long the decoded
-    weight lives is the model's caching policy (see compress_model); a layer built
-    on its own decodes on every call.
+    weight lives is the model's caching policy (see compress_model): the model's
+    runtime binds each of its layers to itself and serves the weight. A layer built on
+    its own (no runtime) decodes a fresh copy on every call and keeps nothing.
 
     name: the fully qualified module name; it keys the layer in caches and files.
     """
@@ -41,7 +53,9 @@ class CompressedLinear(CompressedModule):
         self.encoded = encoded
         self.name = name
         self.bias = bias
-        self._runtime = None  # a ModelRuntime, set by compress_model / load_compressed
+        # The runtime that owns this layer: bound by compress_model / load_compressed,
+        # unbound by decompress_model.
+        self._container: WeightSource | None = None
 
     @classmethod
     def from_linear(
@@ -58,13 +72,6 @@ class CompressedLinear(CompressedModule):
         dtype_name(linear.weight.dtype)  # raises for unsupported dtypes
         return cls(encode_weight(linear.weight, config, executor), linear.bias, name)
 
-    def _ensure_runtime(self):
-        if self._runtime is None:
-            from zstd_linear.runtime import ModelRuntime
-
-            ModelRuntime({self.name: self}, policy="none", threads=1)
-        return self._runtime
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and torch.is_grad_enabled():
             # The decoded weight's buffer is refilled by later decodes, so autograd
@@ -73,12 +80,14 @@ class CompressedLinear(CompressedModule):
                 f"CompressedLinear {self.name!r} is inference-only: call it under "
                 "torch.no_grad() / torch.inference_mode(), or decompress_model first"
             )
-        policy = self._ensure_runtime().policy
-        weight = policy.acquire(self)
+        container = self._container
+        if container is None:
+            return F.linear(x, self.weight, self.bias)
+        weight = container.acquire(self.name)
         try:
             return F.linear(x, weight, self.bias)
         finally:
-            policy.release(self)
+            container.release(self.name)
 
     def _shape_repr(self) -> str:
         return (

@@ -141,7 +141,7 @@ def install(
     )
     for name, module in {**layers, **(embeddings or {})}.items():
         _swap(model, name, module)
-    runtime.clock.attach(model)
+    runtime.attach(model)
     guard(model)
     model.__dict__[RUNTIME_ATTR] = runtime
     return runtime

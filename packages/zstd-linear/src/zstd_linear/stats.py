@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 class DecodeStats:
     """What a compressed model's runtime did since compress_model / reset.
 
-    forward_passes: root-module forward calls (the pass clock).
+    forward_passes: root-module forward calls (the runtime's forward pre-hook).
     decompressions: weights decoded. bytes_decoded: their original bytes.
     seconds_decoding: wall time inside decodes (in the background under prefetch).
     seconds_waiting: time forward calls waited for a prefetched weight.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.base import BackingStore, CachePolicy
 from zstd_linear.policies.budget import Budget
 from zstd_linear.policies.none import NoCache
 from zstd_linear.policies.per_pass import PerPass
@@ -14,18 +14,19 @@ POLICIES: dict[str, type[CachePolicy]] = {
 }
 
 
-def make_policy(name: str, runtime, **options) -> CachePolicy:
-    """The policy ``name`` for ``runtime``; ValueError for an unknown name or option."""
+def make_policy(name: str, store: BackingStore, **options) -> CachePolicy:
+    """The policy ``name`` over ``store``; ValueError for an unknown name or option."""
     if name not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
     try:
-        return POLICIES[name](runtime, **options)
+        return POLICIES[name](store, **options)
     except TypeError as exc:
         raise ValueError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from None
 
 
 __all__ = [
     "POLICIES",
+    "BackingStore",
     "Budget",
     "CachePolicy",
     "NoCache",

@@ -1,38 +1,67 @@
-"""The caching-policy interface: when is a layer's weight decoded, and when dropped."""
+"""The caching-policy interface: when is a layer's weight decoded, and when dropped.
+
+A policy sees the model through a ``BackingStore`` only (buffers, a decode call, each
+weight's stored form, a wait recorder) and names layers by their fully qualified
+names: it never holds the model's runtime or its modules, so the dependencies point
+one way (runtime -> policy -> store).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from zstd_linear.layer import CompressedLinear
-    from zstd_linear.runtime import ModelRuntime
+from zstd_linear.buffers import BufferPool
+from zstd_linear.codec import EncodedWeight
+
+
+@dataclass(frozen=True)
+class BackingStore:
+    """What a policy may use, and all it may use.
+
+    pool: the decode buffers (slabs and dedicated buffers; it counts their bytes).
+    decode: ``decode(name, buf) -> weight``: decodes layer ``name`` into the front of
+    ``buf`` ((>= nbytes(name),) uint8, from ``pool``) and returns the weight view,
+    (out_features, in_features), the layer's dtype; counted in the model's stats.
+    encoded: name -> the layer's EncodedWeight (sizes, frames), in the model's order.
+    record_wait: ``record_wait(seconds)``: time a forward call waited for a weight.
+    """
+
+    pool: BufferPool
+    decode: Callable[[str, torch.Tensor], torch.Tensor]
+    encoded: Mapping[str, EncodedWeight]
+    record_wait: Callable[[float], None]
+
+    def nbytes(self, name: str) -> int:
+        """Decoded bytes of layer ``name``."""
+        return self.encoded[name].original_bytes
 
 
 class CachePolicy(ABC):
     """One model's decoded-weight cache.
 
-    CompressedLinear.forward brackets every F.linear with ``acquire`` (returns the
-    decoded weight, (out, in), the layer's dtype) and ``release``; the pass clock
-    calls ``on_pass_start`` when the root module's forward begins.
+    The runtime brackets every layer's F.linear with ``acquire(name)`` (returns the
+    decoded weight, (out, in), the layer's dtype) and ``release(name)``, and calls
+    ``on_pass_start`` when the root module's forward begins.
     """
 
     name: ClassVar[str]
 
-    def __init__(self, runtime: ModelRuntime):
-        self.runtime = runtime
+    def __init__(self, store: BackingStore):
+        self.store = store
 
     def on_pass_start(self, index: int) -> None:  # noqa: B027 - most policies ignore passes
         """A new forward pass of the root module begins."""
 
     @abstractmethod
-    def acquire(self, layer: CompressedLinear) -> torch.Tensor: ...
+    def acquire(self, name: str) -> torch.Tensor: ...
 
-    def release(self, layer: CompressedLinear) -> None:  # noqa: B027 - most keep the weight
-        """The F.linear that used ``acquire``'s weight has returned."""
+    def release(self, name: str) -> None:  # noqa: B027 - most keep the weight
+        """The F.linear that used ``acquire(name)``'s weight has returned."""
 
     @abstractmethod
     def close(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.base import BackingStore, CachePolicy
 from zstd_linear.policies.prefetch import PerPassPrefetch
 
 # Decode cost per output byte, relative to a copy: a raw plane is a copy, a zstd plane
@@ -71,7 +71,7 @@ class Budget(CachePolicy):
 
     def __init__(
         self,
-        runtime,
+        store: BackingStore,
         budget_bytes: int | None = None,
         *,
         memory_limit: int | None = None,
@@ -93,15 +93,15 @@ class Budget(CachePolicy):
                 f"(the process's limit), got budget_bytes={budget_bytes!r}, "
                 f"memory_limit={memory_limit!r}"
             )
-        stream = PerPassPrefetch(runtime, window=window)  # validates window
-        super().__init__(runtime)
+        stream = PerPassPrefetch(store, window=window)  # validates window
+        super().__init__(store)
         self._stream = stream
         if memory_limit is not None:
-            reserve = window * runtime.pool.slab_bytes + headroom_bytes
+            reserve = window * store.pool.slab_bytes + headroom_bytes
             budget_bytes = max(0, memory_limit - anonymous_rss() - reserve)
         self.budget_bytes = budget_bytes
-        sizes = {n: lyr.encoded.original_bytes for n, lyr in runtime.layers.items()}
-        costs = {n: decode_cost(lyr.encoded) for n, lyr in runtime.layers.items()}
+        sizes = {n: e.original_bytes for n, e in store.encoded.items()}
+        costs = {n: decode_cost(e) for n, e in store.encoded.items()}
         self.pinned: frozenset[str] = frozenset(choose_pinned(sizes, costs, budget_bytes))
         self.pinned_bytes = sum(sizes[n] for n in self.pinned)
         self._buffers: dict[str, torch.Tensor] = {}
@@ -115,21 +115,21 @@ class Budget(CachePolicy):
         self._hits = self._calls = 0
         self._stream.on_pass_start(index)
 
-    def acquire(self, layer) -> torch.Tensor:
+    def acquire(self, name: str) -> torch.Tensor:
         self._calls += 1
-        if layer.name not in self.pinned:
-            return self._stream.acquire(layer)
-        weight = self._weights.get(layer.name)
+        if name not in self.pinned:
+            return self._stream.acquire(name)
+        weight = self._weights.get(name)
         if weight is not None:
             self._hits += 1
             return weight
-        buf = self._buffers[layer.name] = self.runtime.pool.dedicated(layer.encoded.original_bytes)
-        weight = self._weights[layer.name] = self.runtime.decode_into(layer, buf)
+        buf = self._buffers[name] = self.store.pool.dedicated(self.store.nbytes(name))
+        weight = self._weights[name] = self.store.decode(name, buf)
         return weight
 
-    def release(self, layer) -> None:
-        if layer.name not in self.pinned:
-            self._stream.release(layer)
+    def release(self, name: str) -> None:
+        if name not in self.pinned:
+            self._stream.release(name)
 
     def cached(self) -> list[str]:
         """Names of the pinned layers decoded so far, sorted."""
@@ -138,6 +138,6 @@ class Budget(CachePolicy):
     def close(self) -> None:
         self._stream.close()
         for buf in self._buffers.values():
-            self.runtime.pool.drop_dedicated(buf)
+            self.store.pool.drop_dedicated(buf)
         self._buffers.clear()
         self._weights.clear()

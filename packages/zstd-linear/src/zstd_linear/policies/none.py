@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.base import BackingStore, CachePolicy
 
 
 class NoCache(CachePolicy):
@@ -12,19 +12,19 @@ class NoCache(CachePolicy):
 
     name = "none"
 
-    def __init__(self, runtime):
-        super().__init__(runtime)
+    def __init__(self, store: BackingStore):
+        super().__init__(store)
         self._in_use: dict[str, torch.Tensor] = {}
 
-    def acquire(self, layer) -> torch.Tensor:
-        slab = self.runtime.pool.acquire_slab(layer.encoded.original_bytes)
-        self._in_use[layer.name] = slab
-        return self.runtime.decode_into(layer, slab)
+    def acquire(self, name: str) -> torch.Tensor:
+        slab = self.store.pool.acquire_slab(self.store.nbytes(name))
+        self._in_use[name] = slab
+        return self.store.decode(name, slab)
 
-    def release(self, layer) -> None:
-        self.runtime.pool.release_slab(self._in_use.pop(layer.name))
+    def release(self, name: str) -> None:
+        self.store.pool.release_slab(self._in_use.pop(name))
 
     def close(self) -> None:
         for slab in self._in_use.values():
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
         self._in_use.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.base import BackingStore, CachePolicy
 
 
 class PerPass(CachePolicy):
@@ -17,27 +17,30 @@ class PerPass(CachePolicy):
 
     name = "per_pass"
 
-    def __init__(self, runtime):
-        super().__init__(runtime)
+    def __init__(self, store: BackingStore):
+        super().__init__(store)
         self._buffers: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
         self._decoded_in: dict[str, int] = {}
+        # Calls before the next pass starts (a layer called on its own, a policy set
+        # between passes) share one pass, whatever the root module's count is.
+        self._pass = 0
 
-    def acquire(self, layer) -> torch.Tensor:
-        now = self.runtime.clock.index
-        if self._decoded_in.get(layer.name) != now:
-            buf = self._buffers.get(layer.name)
+    def on_pass_start(self, index: int) -> None:
+        self._pass = index
+
+    def acquire(self, name: str) -> torch.Tensor:
+        if self._decoded_in.get(name) != self._pass:
+            buf = self._buffers.get(name)
             if buf is None:
-                buf = self._buffers[layer.name] = self.runtime.pool.dedicated(
-                    layer.encoded.original_bytes
-                )
-            self._weights[layer.name] = self.runtime.decode_into(layer, buf)
-            self._decoded_in[layer.name] = now
-        return self._weights[layer.name]
+                buf = self._buffers[name] = self.store.pool.dedicated(self.store.nbytes(name))
+            self._weights[name] = self.store.decode(name, buf)
+            self._decoded_in[name] = self._pass
+        return self._weights[name]
 
     def close(self) -> None:
         for buf in self._buffers.values():
-            self.runtime.pool.drop_dedicated(buf)
+            self.store.pool.drop_dedicated(buf)
         self._buffers.clear()
         self._weights.clear()
         self._decoded_in.clear()

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.base import BackingStore, CachePolicy
 
 
 class PerPassPrefetch(CachePolicy):
@@ -25,10 +25,10 @@ class PerPassPrefetch(CachePolicy):
 
     name = "per_pass_prefetch"
 
-    def __init__(self, runtime, window: int = 2):
+    def __init__(self, store: BackingStore, window: int = 2):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
-        super().__init__(runtime)
+        super().__init__(store)
         self.window = window
         self._sequence: list[str] | None = None  # layer calls of one pass, in order
         self._last_use: list[bool] = []  # per call: the layer's last call in the pass
@@ -75,19 +75,18 @@ class PerPassPrefetch(CachePolicy):
     def _drain(self) -> None:
         for future in self._pending.values():
             slab, _ = future.result()
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
         self._pending.clear()
         for slab, _ in self._live.values():
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
         self._live.clear()
 
     def _decode(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.runtime.layers[name]
-        slab = self.runtime.pool.acquire_slab(layer.encoded.original_bytes)
+        slab = self.store.pool.acquire_slab(self.store.nbytes(name))
         try:
-            return slab, self.runtime.decode_into(layer, slab)
+            return slab, self.store.decode(name, slab)
         except BaseException:
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
             raise
 
     def _fill(self) -> None:
@@ -98,8 +97,7 @@ class PerPassPrefetch(CachePolicy):
             self._pending[name] = self._executor.submit(self._decode, name)
             self._next = (self._next + 1) % len(self._order)
 
-    def acquire(self, layer) -> torch.Tensor:
-        name = layer.name
+    def acquire(self, name: str) -> torch.Tensor:
         if self._sequence is None:
             if self._recording_valid:
                 self._recording.append(name)
@@ -115,7 +113,7 @@ class PerPassPrefetch(CachePolicy):
             else:
                 start = time.perf_counter()
                 self._live[name] = future.result()
-                self.runtime.add_wait(time.perf_counter() - start)
+                self.store.record_wait(time.perf_counter() - start)
         return self._live[name][1]
 
     def _decode_on_demand(self, name: str) -> torch.Tensor:
@@ -123,22 +121,21 @@ class PerPassPrefetch(CachePolicy):
         self._on_demand[name] = slab
         return weight
 
-    def release(self, layer) -> None:
-        name = layer.name
+    def release(self, name: str) -> None:
         slab = self._on_demand.pop(name, None)
         if slab is not None:
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
             return
         last = self._last_use[self._call]
         self._call += 1
         if last:
             slab, _ = self._live.pop(name)
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
             self._fill()
 
     def close(self) -> None:
         self._drain()
         for slab in self._on_demand.values():
-            self.runtime.pool.release_slab(slab)
+            self.store.pool.release_slab(slab)
         self._on_demand.clear()
         self._executor.shutdown(wait=True)

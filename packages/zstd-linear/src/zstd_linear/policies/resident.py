@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zstd_linear.policies.base import CachePolicy
+from zstd_linear.policies.base import BackingStore, CachePolicy
 
 
 class Resident(CachePolicy):
@@ -12,22 +12,20 @@ class Resident(CachePolicy):
 
     name = "resident"
 
-    def __init__(self, runtime):
-        super().__init__(runtime)
+    def __init__(self, store: BackingStore):
+        super().__init__(store)
         self._buffers: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
 
-    def acquire(self, layer) -> torch.Tensor:
-        weight = self._weights.get(layer.name)
+    def acquire(self, name: str) -> torch.Tensor:
+        weight = self._weights.get(name)
         if weight is None:
-            buf = self._buffers[layer.name] = self.runtime.pool.dedicated(
-                layer.encoded.original_bytes
-            )
-            weight = self._weights[layer.name] = self.runtime.decode_into(layer, buf)
+            buf = self._buffers[name] = self.store.pool.dedicated(self.store.nbytes(name))
+            weight = self._weights[name] = self.store.decode(name, buf)
         return weight
 
     def close(self) -> None:
         for buf in self._buffers.values():
-            self.runtime.pool.drop_dedicated(buf)
+            self.store.pool.drop_dedicated(buf)
         self._buffers.clear()
         self._weights.clear()
