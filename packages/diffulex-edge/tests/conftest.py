@@ -1,4 +1,4 @@
-"""Session fixtures: one seeded tiny SDAR model and its two real .pte exports."""
+"""Session fixtures: one seeded tiny SDAR model and its three real .pte exports."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def model(config):
 
 @pytest.fixture(scope="session")
 def pte_paths(model, tmp_path_factory):
-    """Both export variants of the tiny model; an export failure errors every user."""
+    """Every export variant of the tiny model; an export failure errors every user."""
     out = tmp_path_factory.mktemp("pte")
     return {
         variant: export_pte(model, out / f"{variant}.pte", MAX_SEQ, BLOCK, variant).path
-        for variant in ("cache_io", "block_kv")
+        for variant in ("cache_io", "block_kv", "static_kv")
     }
 
 
@@ -42,21 +42,33 @@ SMOLLM2_MAX_SEQ = 256
 SMOLLM2_PREFILL = 32
 
 
-@pytest.fixture(scope="session")
-def smollm2_pte():
-    """SmolLM2-135M-Instruct exported once per package version (block_kv, block size 1,
-    fp32, a 32-token prefill method) under the membound cache: the export takes minutes on
-    the 2-core machine, so later sessions reuse it (PteEngine still verifies its record)."""
+def _smollm2_pte(variant: str):
+    """SmolLM2-135M-Instruct exported once per package version (block size 1, fp32, prompt
+    chunks of 32) under the membound cache: the export takes minutes on the 2-core machine,
+    so later sessions reuse it (PteEngine still verifies its record)."""
     import diffulex_edge
     from diffulex_edge.checkpoint import load_checkpoint
     from membound_testing.models import cache_dir, smollm2_float_dir
 
+    suffix = "" if variant == "block_kv" else f"-{variant}"
     path = cache_dir() / (
         f"diffulex-edge-{diffulex_edge.__version__}-smollm2-f32-"
-        f"{SMOLLM2_MAX_SEQ}-1-{SMOLLM2_PREFILL}.pte"
+        f"{SMOLLM2_MAX_SEQ}-1-{SMOLLM2_PREFILL}{suffix}.pte"
     )
     if not (path.is_file() and path.with_name(path.name + ".json").is_file()):
         path.parent.mkdir(parents=True, exist_ok=True)
         model = load_checkpoint(smollm2_float_dir())
-        export_pte(model, path, SMOLLM2_MAX_SEQ, 1, "block_kv", prefill_size=SMOLLM2_PREFILL)
+        export_pte(model, path, SMOLLM2_MAX_SEQ, 1, variant, prefill_size=SMOLLM2_PREFILL)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_pte():
+    """block_kv: a 32-token prefill method beside forward (the budget runner's file too)."""
+    return _smollm2_pte("block_kv")
+
+
+@pytest.fixture(scope="session")
+def smollm2_static_pte():
+    """static_kv: the cache inside the program, ExecuTorch's LLM ops."""
+    return _smollm2_pte("static_kv")

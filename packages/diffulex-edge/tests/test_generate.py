@@ -5,7 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffulex_edge.backends import Backend, EagerBlockKV, EagerCacheIO, EagerDynamic
+from diffulex_edge.backends import (
+    Backend,
+    EagerBlockKV,
+    EagerCacheIO,
+    EagerDynamic,
+    EagerStaticKV,
+)
 from diffulex_edge.generate import GenerationConfig, generate
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.remasking import make_remasking, num_transfer_tokens
@@ -137,6 +143,8 @@ class Lockstep(Backend):
         (EagerCacheIO, "sequential"),
         (EagerCacheIO, "low_confidence_static"),
         (EagerBlockKV, "low_confidence_dynamic"),
+        (EagerStaticKV, "low_confidence_dynamic"),
+        (EagerStaticKV, "sequential"),
     ],
 )
 def test_static_graphs_match_the_dynamic_cache_at_every_step(model, static, remasking):

@@ -4,7 +4,7 @@ ceil(n / chunk) forwards (eager and through a real .pte)."""
 import pytest
 import torch
 
-from diffulex_edge.backends import EagerBlockKV, EagerDynamic, StaticBackend
+from diffulex_edge.backends import EagerBlockKV, EagerDynamic, EagerStaticKV, StaticBackend
 from diffulex_edge.config import tiny_config
 from diffulex_edge.export import export_pte
 from diffulex_edge.generate import GenerationConfig, generate_autoregressive
@@ -118,11 +118,62 @@ def test_pte_autoregressive_tokens_equal_eager(ar_model, ar_pte):
 def test_prefill_size_needs_block_kv_and_to_divide_max_seq(ar_model, tmp_path):
     from diffulex_edge import DiffulexEdgeError
 
-    with pytest.raises(DiffulexEdgeError, match="prefill_size needs variant 'block_kv'"):
+    with pytest.raises(DiffulexEdgeError, match="prefill_size needs variant 'block_kv' or"):
         export_pte(ar_model, tmp_path / "x.pte", MAX, 1, "cache_io", prefill_size=CHUNK)
     with pytest.raises(DiffulexEdgeError, match=r"prefill_size 24.*not a multiple"):
         export_pte(ar_model, tmp_path / "x.pte", MAX, 1, "block_kv", prefill_size=24)
+    with pytest.raises(
+        DiffulexEdgeError, match=r"'static_kv' needs block_size 1.*got block_size 4"
+    ):
+        export_pte(ar_model, tmp_path / "x.pte", MAX, 4, "static_kv", prefill_size=CHUNK)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def ar_static_pte(ar_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ar") / "ar_static.pte"
+    export_pte(ar_model, path, MAX, 1, "static_kv", prefill_size=CHUNK)
+    return path
+
+
+@pytest.mark.parametrize("n", [1, CHUNK - 1, CHUNK, 37])
+def test_static_kv_chunks_of_any_length_equal_eager(ar_model, ar_static_pte, n):
+    """One method, a dynamic chunk length: the prompt in ceil(n / 16) forwards, unpadded."""
+    engine = PteEngine(ar_static_pte, expected_config=ar_model.config)
+    assert engine.variant == "static_kv" and engine.backend.kv_cache is None
+    calls = {"prefill": 0}
+    engine.backend.prefill_step = _counted(engine.backend.prefill_step, calls, "prefill")
+    ids = _ids(n, seed=6)
+    got = engine.backend.prefill_causal(ids, all_logits=True)
+    assert calls["prefill"] == -(-n // CHUNK) and engine.backend.cache_len == n
+    want = EagerDynamic(ar_model, 1).prefill_causal(ids, all_logits=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    eager = EagerStaticKV(ar_model, engine.layout, CHUNK).prefill_causal(ids, all_logits=True)
+    torch.testing.assert_close(eager, want, rtol=0, atol=1e-4)
+
+
+def test_static_kv_autoregressive_tokens_equal_eager_after_a_reset(ar_model, ar_static_pte):
+    """The cache is the program's own state: a second generation on the same engine, after
+    a longer first one left stale slots, still equals eager."""
+    engine = PteEngine(ar_static_pte)
+    config = GenerationConfig(max_new_tokens=20, stop_on_eos=False)
+    engine.generate(_ids(40, seed=7)[0].tolist(), config)
+    prompt = _ids(21, seed=5)[0].tolist()
+    want = generate_autoregressive(EagerDynamic(ar_model, 1), prompt, config, None)
+    got = engine.generate(prompt, config)
+    assert got.tokens == want.tokens and len(got.tokens) == 20
+
+
+def test_static_kv_refuses_a_prompt_past_max_seq_before_running_it(ar_model, ar_static_pte):
+    engine = PteEngine(ar_static_pte)
+    calls = {"prefill": 0}
+    engine.backend.prefill_step = _counted(engine.backend.prefill_step, calls, "prefill")
+    with pytest.raises(ValueError, match=f"a prompt of {MAX + 1} tokens after cache_len 0 does"):
+        engine.backend.prefill_causal(_ids(MAX + 1))
+    assert calls["prefill"] == 0 and engine.backend.cache_len == 0
+    engine.backend.prefill_causal(_ids(MAX))
+    with pytest.raises(ValueError, match=f"after cache_len {MAX} does not fit max_seq {MAX}"):
+        engine.backend.commit(torch.tensor([[1]]))
 
 
 def test_autoregressive_decoding_refuses_a_diffusion_block(ar_model):

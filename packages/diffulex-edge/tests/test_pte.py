@@ -21,7 +21,7 @@ from .test_generate import Lockstep
 BS = 4
 
 
-@pytest.mark.parametrize("variant", ["cache_io", "block_kv"])
+@pytest.mark.parametrize("variant", ["cache_io", "block_kv", "static_kv"])
 def test_pte_matches_eager_over_a_32_token_greedy_generation(model, config, pte_paths, variant):
     engine = PteEngine(pte_paths[variant], expected_config=config)
     assert engine.variant == variant

@@ -1,6 +1,6 @@
-"""SmolLM2-135M-Instruct through the edge pipeline: its fp32 .pte (block_kv, XNNPACK,
-chunked prefill) decodes the Hugging Face model's greedy tokens and answers the chat
-question from the CLI."""
+"""SmolLM2-135M-Instruct through the edge pipeline: its fp32 .pte (block_kv and static_kv,
+XNNPACK, chunked prefill) decodes the Hugging Face model's greedy tokens and answers the
+chat question from the CLI."""
 
 import pytest
 import torch
@@ -33,12 +33,15 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return tokens
 
 
-def test_pte_greedy_tokens_equal_transformers_over_32(hf, smollm2_pte):
+@pytest.mark.parametrize("variant", ["block_kv", "static_kv"])
+def test_pte_greedy_tokens_equal_transformers_over_32(hf, variant, request):
     model, tokenizer = hf
     ids = tokenizer(chat_prompt(tokenizer, QUESTION))["input_ids"]
     want = hf_greedy(model, ids, 32)
     assert tokenizer.decode(want[:7]) == "The capital of France is Paris."
-    engine = PteEngine(smollm2_pte)
+    fixture = {"block_kv": "smollm2_pte", "static_kv": "smollm2_static_pte"}[variant]
+    engine = PteEngine(request.getfixturevalue(fixture))
+    assert engine.variant == variant
     got = engine.generate(ids, GenerationConfig(max_new_tokens=32, stop_on_eos=False))
     assert got.tokens == want
     assert len(got.tokens) == 32

@@ -27,7 +27,7 @@ from diffulex_edge.masks import (
 )
 from diffulex_edge.model import SDARModel
 
-VARIANTS = ("cache_io", "block_kv")
+VARIANTS = ("cache_io", "block_kv", "static_kv")
 
 
 class Backend(ABC):
@@ -137,6 +137,9 @@ class StaticBackend(Backend):
       the cache is read only and a commit copies ``block_kv`` into its slots here.
     - ``cache_io``: ``step(ids, positions, kv_cache, attention_mask, insert_matrix,
       keep_mask) -> (logits, kv_cache)``; the graph returns the whole updated cache.
+    - ``static_kv``: ``step(ids, input_pos) -> (logits,)`` with ``input_pos`` the (1,)
+      start; the cache is the step's own state (``kv_cache`` is None here) and every
+      forward writes its tokens' K/V at ``cache_len``, so a commit only advances it.
 
     ``prefill_step`` (block_kv signature, blocks of ``prefill_size`` tokens) runs
     :meth:`prefill_causal` in chunks instead of one forward per token.
@@ -179,10 +182,23 @@ class StaticBackend(Backend):
         self.reset()
 
     def reset(self) -> None:
-        self.kv_cache = self.layout.allocate()
+        # static_kv: slots past cache_len are never read before a forward rewrites them.
+        self.kv_cache = None if self.variant == "static_kv" else self.layout.allocate()
         self.cache_len = 0
 
+    def _start(self, tokens: int) -> torch.Tensor:
+        """static_kv's input_pos for ``tokens`` tokens at cache_len (ValueError past max_seq:
+        the program's kernels do not check)."""
+        if self.cache_len + tokens > self.max_seq:
+            raise ValueError(
+                f"a block of {tokens} tokens after cache_len {self.cache_len} does not fit "
+                f"max_seq {self.max_seq}"
+            )
+        return torch.tensor([self.cache_len])
+
     def _forward(self, block_ids: torch.Tensor, commit: bool) -> torch.Tensor:
+        if self.variant == "static_kv":
+            return self.step(block_ids, self._start(block_ids.shape[1]))[0]
         positions = block_positions(self.layout, self.cache_len)
         if self.variant == "cache_io":
             m = cache_io_masks(self.layout, self.cache_len, commit)
@@ -213,8 +229,19 @@ class StaticBackend(Backend):
         n = ids.shape[1]
         if n == 0:
             raise ValueError("prefill_causal needs at least one token")
+        if self.cache_len + n > self.max_seq:  # before any chunk runs: nothing half-written
+            raise ValueError(
+                f"a prompt of {n} tokens after cache_len {self.cache_len} does not fit "
+                f"max_seq {self.max_seq}"
+            )
         size = self.prefill_layout.block_size
         out = []
+        if self.variant == "static_kv":  # chunks of any length: no padding
+            for start in range(0, n, size):
+                chunk = ids[:, start : start + size]
+                out.append(self.prefill_step(chunk, self._start(chunk.shape[1]))[0])
+                self.cache_len += chunk.shape[1]
+            return torch.cat(out, dim=1) if all_logits else out[-1][:, -1]
         for start in range(0, n, size):
             valid = min(size, n - start)
             chunk = torch.zeros(1, size, dtype=torch.long)
@@ -249,3 +276,16 @@ def EagerBlockKV(
     with ``prefill_size`` the causal prefill runs in chunks of that many tokens."""
     step = _no_grad(model.forward_block_kv)
     return StaticBackend(layout, "block_kv", step, step if prefill_size else None, prefill_size)
+
+
+def EagerStaticKV(
+    model: SDARModel, layout: StaticCacheLayout, prefill_size: int | None = None
+) -> StaticBackend:
+    """:class:`~diffulex_edge.export.StaticKVGraph` in eager mode (ExecuTorch's LLM ops on
+    torch's CPU): the cache is the graph's buffers; with ``prefill_size`` (block size 1)
+    the prompt enters in chunks of up to that many tokens."""
+    from diffulex_edge.export import StaticKVGraph
+
+    graph = StaticKVGraph(model, layout.max_seq, layout.block_size).eval()
+    step = _no_grad(lambda ids, pos: (graph(ids, pos),))
+    return StaticBackend(layout, "static_kv", step, step if prefill_size else None, prefill_size)

@@ -119,7 +119,7 @@ def cmd_export(args) -> None:
     block_size = defaults["block_size"] if args.block_size is None else args.block_size
     max_seq = defaults["max_seq"] if args.max_seq is None else args.max_seq
     prefill = defaults["prefill_size"] if args.prefill_size is None else args.prefill_size or None
-    if args.variant != "block_kv" and args.prefill_size is None:
+    if args.prefill_size is None and (args.variant == "cache_io" or block_size != 1):
         prefill = None  # the default only; an explicit --prefill-size is refused by export_pte
     result = export_pte(
         model, args.output, max_seq, block_size, args.variant, args.quantize, prefill, progress=True
@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-size",
         type=int,
         default=None,
-        help="tokens per causal prefill chunk (a second method; block_kv only; 0 = none) "
+        help="tokens per causal prefill chunk (0 = none; block_kv: a second method; "
+        "static_kv: forward itself takes 1 to this many tokens, block size 1 only) "
         "(default: 32 for a model without a mask token, none for SDAR)",
     )
     p.add_argument(

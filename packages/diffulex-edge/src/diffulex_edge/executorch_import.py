@@ -73,3 +73,19 @@ def lowering():
     except ImportError as err:
         raise _missing("exporting a .pte", err) from err
     return to_edge_transform_and_lower, XnnpackPartitioner
+
+
+def llm_custom_ops() -> None:
+    """Register ExecuTorch's LLM custom ops (``llama::update_cache``, ``llama::custom_sdpa``)
+    with torch (eager, export) and with the runtime (their kernels), once per process: the
+    ``static_kv`` variant's graph is built from them."""
+    try:
+        with _quiet():
+            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+    except ImportError as err:
+        raise _missing("the static_kv variant (ExecuTorch's LLM custom ops)", err) from err
+    except (AssertionError, OSError) as err:  # the package's own check: no or two libraries
+        raise DiffulexEdgeError(
+            f"ExecuTorch's LLM custom-ops library could not be loaded ({err!r}): the "
+            "static_kv variant needs an executorch build that ships it (the PyPI wheels do)"
+        ) from err

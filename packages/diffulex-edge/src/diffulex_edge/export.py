@@ -1,11 +1,16 @@
 """Export the static graphs to an ExecuTorch ``.pte`` through the XNNPACK backend.
 
-Two graph variants (registry :data:`EXPORT_VARIANTS`):
+Three graph variants (registry :data:`EXPORT_VARIANTS`):
 
 - ``cache_io``: :meth:`SDARModel.forward_export` as designed; every step passes the whole
   cache plus three per-layer masks in and gets the whole updated cache back.
 - ``block_kv``: :meth:`SDARModel.forward_block_kv` in the style of ExecuTorch's
   StaticAttention; the cache is a read-only input and only the block's K/V come back.
+  XNNPACK and portable kernels only.
+- ``static_kv``: :class:`StaticKVGraph`; the cache is mutable state inside the program,
+  written and read by ExecuTorch's LLM custom ops (``llama::update_cache``,
+  ``llama::custom_sdpa``), which the runtime must include (the PyPI wheels do). The
+  fastest: no cache crosses the method boundary and attention reads only the filled slots.
 
 The program also carries constant methods describing what it was exported for (format
 version, variant, cache geometry, token ids, a digest of the model config), and an
@@ -81,7 +86,69 @@ class BlockKVGraph(nn.Module):
         return ids, block_positions(layout, 0), layout.allocate(), block_attention_mask(layout, 0)
 
 
-EXPORT_VARIANTS: dict[str, type[nn.Module]] = {"cache_io": CacheIOGraph, "block_kv": BlockKVGraph}
+class StaticKVGraph(nn.Module):
+    """The cache lives in the program: one mutable buffer per layer for K and one for V,
+    ``(1, max_seq, kv_heads, head_dim)``, written in place by ExecuTorch's
+    ``llama::update_cache`` and read by ``llama::custom_sdpa``, which attends to slots
+    ``[0, start + T)`` only (the layout and kernels optimum-executorch exports Llama with).
+
+    ``forward(input_ids (1, T), input_pos (1,) int64 = start) -> logits (1, T, vocab)``
+    writes the T tokens' K/V at ``start``. Block size 1 (autoregressive) attends causally and
+    takes any T from 1 to the prefill size, so the prompt enters in chunks through the same
+    method; a larger block attends to the whole block (block diffusion) with T = block size.
+    A forward that does not commit (a denoising step) writes slots past the committed
+    tokens, which the next forward at that start overwrites before reading.
+    """
+
+    variant_id = 2
+
+    def __init__(self, model: SDARModel, max_seq: int, block_size: int) -> None:
+        super().__init__()
+        from diffulex_edge.executorch_import import llm_custom_ops
+
+        llm_custom_ops()
+        c = model.config
+        self.model = model
+        self.max_seq = max_seq
+        self.is_causal = block_size == 1
+        shape = (1, max_seq, c.num_key_value_heads, c.head_dim)
+        for i in range(c.num_hidden_layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape), persistent=False)
+
+    def forward(self, input_ids, input_pos):
+        m = self.model
+        B, T = input_ids.shape
+        start = input_pos[0].item()
+        torch._check_is_size(start)
+        torch._check(start + T <= self.max_seq)
+        cos = torch.narrow(m.cos_cached, 0, start, T)[None, :, None, :]
+        sin = torch.narrow(m.sin_cached, 0, start, T)[None, :, None, :]
+        h = m.embed_tokens(input_ids)
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            q, k, v = attn.heads(layer.input_layernorm(h), cos, sin)
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            torch.ops.llama.update_cache(k, k_cache, start)
+            torch.ops.llama.update_cache(v, v_cache, start)
+            out = torch.ops.llama.custom_sdpa(
+                q, k_cache, v_cache, start, None, 0.0, self.is_causal, attn.scaling
+            )
+            h = h + attn.o_proj(out.reshape(B, T, attn.num_heads * attn.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return m._logits(h)
+
+    @staticmethod
+    def example_inputs(layout: StaticCacheLayout) -> tuple[torch.Tensor, ...]:
+        ids = torch.zeros(layout.batch, layout.block_size, dtype=torch.long)
+        return ids, torch.zeros(1, dtype=torch.long)
+
+
+EXPORT_VARIANTS: dict[str, type[nn.Module]] = {
+    "cache_io": CacheIOGraph,
+    "block_kv": BlockKVGraph,
+    "static_kv": StaticKVGraph,
+}
 
 
 def config_digest(config) -> int:
@@ -161,6 +228,20 @@ class ExportResult:
     record_path: Path
 
 
+def _export_static_kv(graph, layout, prefill_layout):
+    """``forward`` of a static_kv graph; with a prefill size, T is dynamic in [1, size]
+    (traced at T = size: torch.export specialises a dimension it first sees as 1)."""
+    if prefill_layout is None:
+        return torch.export.export(graph, graph.example_inputs(layout), strict=False)
+    chunk = torch.export.Dim("chunk", min=1, max=prefill_layout.block_size)
+    return torch.export.export(
+        graph,
+        graph.example_inputs(prefill_layout),
+        dynamic_shapes=({1: chunk}, None),
+        strict=False,
+    )
+
+
 def export_pte(
     model: SDARModel,
     path: str | Path,
@@ -194,8 +275,15 @@ def export_pte(
     layout = StaticCacheLayout.for_model(model.config, max_seq=max_seq, block_size=block_size)
     prefill_layout = None
     if prefill_size is not None:
-        if variant != "block_kv":
-            raise DiffulexEdgeError(f"prefill_size needs variant 'block_kv', got {variant!r}")
+        if variant == "cache_io":
+            raise DiffulexEdgeError(
+                f"prefill_size needs variant 'block_kv' or 'static_kv', got {variant!r}"
+            )
+        if variant == "static_kv" and layout.block_size != 1:
+            raise DiffulexEdgeError(
+                f"prefill_size with variant 'static_kv' needs block_size 1 (its prompt chunks "
+                f"attend causally), got block_size {layout.block_size}"
+            )
         try:
             prefill_layout = StaticCacheLayout.for_model(model.config, max_seq, prefill_size)
         except ValueError as err:
@@ -221,18 +309,32 @@ def export_pte(
 
         with bar.stage("quantize 8da4w"):
             model = quantize_8da4w(copy.deepcopy(model))
-    graph = graph_cls(model).eval()
+    compile_config = None
     with bar.stage("torch.export"), torch.no_grad():
-        programs = {
-            "forward": torch.export.export(graph, graph_cls.example_inputs(layout), strict=False)
-        }
-        if prefill_layout is not None:
-            programs[PREFILL_METHOD] = torch.export.export(
-                graph, graph_cls.example_inputs(prefill_layout), strict=False
-            )
+        if variant == "static_kv":
+            graph = StaticKVGraph(model, max_seq, layout.block_size).eval()
+            programs = {"forward": _export_static_kv(graph, layout, prefill_layout)}
+            from executorch.exir import EdgeCompileConfig  # importable: lowering() ran
+
+            # llama::update_cache / custom_sdpa are not core ATen ops.
+            compile_config = EdgeCompileConfig(_check_ir_validity=False)
+        else:
+            graph = graph_cls(model).eval()
+            programs = {
+                "forward": torch.export.export(
+                    graph, graph_cls.example_inputs(layout), strict=False
+                )
+            }
+            if prefill_layout is not None:
+                programs[PREFILL_METHOD] = torch.export.export(
+                    graph, graph_cls.example_inputs(prefill_layout), strict=False
+                )
     with bar.stage("lower to XNNPACK"):
         edge = to_edge_transform_and_lower(
-            programs, partitioner=[XnnpackPartitioner()], constant_methods=metadata
+            programs,
+            partitioner=[XnnpackPartitioner()],
+            constant_methods=metadata,
+            compile_config=compile_config,
         )
     with bar.stage("serialize"):
         buffer = edge.to_executorch().buffer

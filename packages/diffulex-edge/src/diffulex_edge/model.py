@@ -69,16 +69,19 @@ class SDARAttention(nn.Module):
         self.q_norm = norm()
         self.k_norm = norm()
 
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: (B, T, hidden); cos/sin: (B, T, 1, hd) -> q (B, T, H, hd), k and v
+        (B, T, KV, hd), rotary embedding applied (the layout of ExecuTorch's LLM ops)."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: (B, T, hidden); cos/sin: (B, 1, T, hd) -> q (B, H, T, hd), k and v (B, KV, T, hd)."""
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
-        k = k.transpose(1, 2)  # (B, KV, T, hd)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v
+        q, k, v = self.heads(x, cos.transpose(1, 2), sin.transpose(1, 2))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q, k, v, mask_add: torch.Tensor) -> torch.Tensor:
         """q: (B, H, T, hd); k, v: (B, KV, S, hd); mask_add: additive, broadcast to (B, H, T, S).

@@ -131,17 +131,32 @@ class PteEngine:
                 f"{path}: the program's cache geometry is invalid: {err}"
             ) from err
         prefill_size = self.meta["prefill_size"] or None
-        method, prefill = self._load_methods(prefill_size is not None)
-        try:
-            cache_shape = tuple(method.metadata.input_tensor_meta(2).sizes())
-        except RuntimeError as err:
-            raise DiffulexEdgeError(f"{path}: forward has no kv_cache input: {err}") from err
-        if cache_shape != self.layout.shape:
-            raise DiffulexEdgeError(
-                f"{path}: forward's kv_cache input is {cache_shape}, its metadata "
-                f"says {self.layout.shape}"
-            )
+        static_kv = self.variant == "static_kv"
+        if static_kv:
+            from diffulex_edge.executorch_import import llm_custom_ops
+
+            llm_custom_ops()  # the kernels its forward calls
+        method, prefill = self._load_methods(prefill_size is not None and not static_kv)
+        if static_kv:
+            inputs = method.metadata.num_inputs()
+            if inputs != 2:
+                raise DiffulexEdgeError(
+                    f"{path}: a static_kv forward takes (input_ids, input_pos), this one "
+                    f"takes {inputs} inputs"
+                )
+        else:
+            try:
+                cache_shape = tuple(method.metadata.input_tensor_meta(2).sizes())
+            except RuntimeError as err:
+                raise DiffulexEdgeError(f"{path}: forward has no kv_cache input: {err}") from err
+            if cache_shape != self.layout.shape:
+                raise DiffulexEdgeError(
+                    f"{path}: forward's kv_cache input is {cache_shape}, its metadata "
+                    f"says {self.layout.shape}"
+                )
         self.method = method
+        if static_kv:  # the prompt's chunks run through forward itself
+            prefill = method if prefill_size is not None else None
         prefill_step = None if prefill is None else method_step(prefill)
         try:
             self.backend = StaticBackend(
