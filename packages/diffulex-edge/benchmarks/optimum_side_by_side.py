@@ -306,8 +306,8 @@ def main() -> None:
         "kernels only, the cache an input, the chunks through a second method; "
         "optimum-executorch 1.1.0: recipe xnnpack, custom SDPA and custom KV cache, dynamic "
         "prefill length. One intra-op thread; each round runs each program in a fresh "
-        f"process in turn; medians of {len(runs[KINDS[0]])} rounds. Minimum hard limit: "
-        "see the budget runner command in the package README.",
+        f"process in turn; medians of {len(runs[KINDS[0]])} rounds. Minimum hard limits: "
+        "pte_min_limits.json (benchmarks/pte_min_limits.py).",
         save=not args.quick,
     )
 
