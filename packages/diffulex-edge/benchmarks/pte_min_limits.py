@@ -103,7 +103,7 @@ def main(argv=None) -> None:
         if not path.exists():
             raise SystemExit(f"{path} is missing: see this script's docstring")
         command = [python, str(HERE / "optimum_side_by_side.py"), "--child", kind, str(path)]
-        entry = measure(command + [str(model_dir)], args.resolution)
+        entry = measure([*command, str(model_dir)], args.resolution)
         raw[row] = entry
         print(row, json.dumps(entry), flush=True)
         size = "-" if name is None else round(_bytes(path) / 2**20, 1)
