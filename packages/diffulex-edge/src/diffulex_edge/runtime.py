@@ -6,7 +6,8 @@ then lets ExecuTorch map the file, and loads its methods with one packed copy of
 weights between them (:mod:`diffulex_edge.xnnpack_weight_cache`). It reads the program's
 constant methods (what it was exported for), checks them against the record and the forward
 method's input shapes before the first step, owns the static KV cache, and builds every
-mask on the CPU with :mod:`diffulex_edge.masks`.
+mask on the CPU with :mod:`diffulex_edge.masks` (a ``static_kv`` program holds its cache
+itself and needs no masks: the engine loads ExecuTorch's LLM custom-op kernels for it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """diffulex-edge: SmolLM2-135M-Instruct answering from its ExecuTorch .pte (XNNPACK, fp32,
-block_kv with block size 1, the prompt prefilled in 32-token chunks), with a static
-pre-allocated KV cache and no PyTorch model in the process.
+the static_kv variant with block size 1: the KV cache is the program's own state, the prompt
+enters in chunks of up to 32 tokens), with a static pre-allocated KV cache and no PyTorch
+model in the process.
 
 resident = the .pte's static KV cache (allocated once for max_seq tokens, whatever the
 generation); unbounded = what a dynamic cache holds after the same generation
@@ -20,18 +21,20 @@ MAX_NEW_TOKENS = 24
 
 
 def smollm2_pte() -> Path:
-    """SmolLM2 exported to a block_kv .pte under the cache, once per diffulex-edge version
+    """SmolLM2 exported to a static_kv .pte under the cache, once per diffulex-edge version
     (the package's test suite uses the same file)."""
     import diffulex_edge
     from diffulex_edge import export_pte, load_checkpoint
     from membound_testing.models import cache_dir, smollm2_float_dir
 
-    name = f"diffulex-edge-{diffulex_edge.__version__}-smollm2-f32-{MAX_SEQ}-1-{PREFILL}.pte"
+    name = (
+        f"diffulex-edge-{diffulex_edge.__version__}-smollm2-f32-{MAX_SEQ}-1-{PREFILL}-static_kv.pte"
+    )
     path = cache_dir() / name
     if not (path.is_file() and path.with_name(path.name + ".json").is_file()):
         path.parent.mkdir(parents=True, exist_ok=True)
         model = load_checkpoint(smollm2_float_dir())
-        export_pte(model, path, MAX_SEQ, 1, "block_kv", prefill_size=PREFILL, progress=True)
+        export_pte(model, path, MAX_SEQ, 1, "static_kv", prefill_size=PREFILL, progress=True)
     return path
 
 
@@ -58,7 +61,7 @@ def diffulex_edge_row() -> Row:
     per_token = layout.nbytes // layout.max_seq
     committed = len(prompt) + max(len(result.tokens) - 1, 0)
     return Row(
-        name="diffulex-edge SmolLM2-135M .pte (XNNPACK fp32; resident = static KV; "
+        name="diffulex-edge SmolLM2-135M .pte (XNNPACK fp32, static_kv; resident = static KV; "
         "unbounded = dynamic KV after the same generation)",
         output=text,
         tokens_per_s=len(result.tokens) / seconds,
