@@ -135,8 +135,8 @@ def main() -> None:
             "header field rewritten with the length prefix kept right), half byte-level "
             "(truncation, flips anywhere and in the first 64 bytes, zeroed ranges, appended "
             "junk, duplicated ranges). Each batch runs in a fresh process; a hang is > 20 s. "
-            "A .pte mutant 'reaches ExecuTorch' if Runtime.load_program is called (or "
-            "executorch.runtime first imported) while it is opened. The foreign rows load "
+            "A .pte mutant 'reaches ExecuTorch' if the load_program of the runtime "
+            "PteEngine loads through is called while it is opened. The foreign rows load "
             "the same checkpoint without diffulex_integrity.json: a flipped weight byte or a "
             "config value changed to another valid one cannot be detected there."
         ),

@@ -14,6 +14,12 @@ from the side-by-side benchmark's ``--keep`` directory, plus an 8da4w export:
 
 Needs root (cgroups). Runs in the default environment, which holds the budget runner; the
 children run in the diffulex-edge-optimum environment's interpreter.
+
+Every child runs without ``CAP_IPC_LOCK`` (``setpriv --bounding-set -ipc_lock``), as a
+process in a container with Docker's default capabilities, or any ordinary user's, does:
+ExecuTorch's runtime locks the segments it maps (``mlock``) wherever the process may, and
+root on a host may lock them all, which no user on a device or in a container gets.
+``--keep-ipc-lock`` runs the children with root's capabilities as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +95,18 @@ def main(argv=None) -> None:
     parser.add_argument("programs", type=Path, help="the side-by-side benchmark's --keep DIR")
     parser.add_argument("--rows", nargs="+", choices=list(PROGRAMS), default=list(PROGRAMS))
     parser.add_argument("--resolution", type=int, default=16, help="MiB")
+    parser.add_argument(
+        "--keep-ipc-lock",
+        action="store_true",
+        help="run the children with root's CAP_IPC_LOCK (default: dropped, as in a container)",
+    )
     args = parser.parse_args(argv)
+    prefix = []
+    if not args.keep_ipc_lock:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise SystemExit("setpriv (util-linux) is needed to drop CAP_IPC_LOCK: install it")
+        prefix = [setpriv, "--bounding-set", "-ipc_lock"]
     from membound_testing.models import smollm2_float_dir
     from membound_testing.results import write_result
 
@@ -102,7 +120,14 @@ def main(argv=None) -> None:
         path = model_dir if name is None else args.programs / name
         if not path.exists():
             raise SystemExit(f"{path} is missing: see this script's docstring")
-        command = [python, str(HERE / "optimum_side_by_side.py"), "--child", kind, str(path)]
+        command = [
+            *prefix,
+            python,
+            str(HERE / "optimum_side_by_side.py"),
+            "--child",
+            kind,
+            str(path),
+        ]
         entry = measure([*command, str(model_dir)], args.resolution)
         raw[row] = entry
         print(row, json.dumps(entry), flush=True)
@@ -152,10 +177,24 @@ def main(argv=None) -> None:
         f"page cache dropped first); bisected at {args.resolution} MiB between 64 MiB and "
         "the unlimited run's peak usage + 32 MiB; a try passes when its text says "
         f"{ANSWER!r} within max(120 s, 4x the unlimited wall time). Eager transformers maps "
-        "the float32 safetensors. Every try: "
+        "the float32 safetensors. "
+        + (
+            "Children kept root's CAP_IPC_LOCK (ExecuTorch's runtime locks what it maps). "
+            if args.keep_ipc_lock
+            else "Children ran without CAP_IPC_LOCK (setpriv --bounding-set -ipc_lock; "
+            f"soft RLIMIT_MEMLOCK {_memlock_limit()}), as in a container. "
+        )
+        + "Every try: "
         + json.dumps({row: e.get("tries") for row, e in raw.items()})
         + f". 1-minute load average {load_start:.1f} at the start (2 cores).",
     )
+
+
+def _memlock_limit() -> str:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:g} MiB"
 
 
 def _bytes(path: Path) -> int:

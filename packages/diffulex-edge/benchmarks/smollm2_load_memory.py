@@ -36,9 +36,9 @@ import torch, diffulex_edge
 from diffulex_edge.executorch_import import runtime
 from diffulex_edge.xnnpack_weight_cache import shared_packed_weights
 
-Runtime = runtime()
+loader = runtime()
 readings = {"imports": rss_anon()}
-program = Runtime.get().load_program(sys.argv[1])
+program = loader.load_program(sys.argv[1])
 readings["program"] = rss_anon()
 with shared_packed_weights() if sys.argv[2] == "shared" else nullcontext():
     methods = []

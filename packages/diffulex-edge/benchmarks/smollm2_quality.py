@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-import diffulex_edge
 from diffulex_edge import PteEngine, export_pte, load_checkpoint
+from diffulex_edge.export import export_code_digest
 
 RESULTS = Path(__file__).parent / "results"
 COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quality.py"
@@ -39,7 +39,8 @@ def pte_path(quantize: str | None) -> Path:
     from membound_testing.models import cache_dir
 
     kind = quantize or "f32"
-    name = f"diffulex-edge-{diffulex_edge.__version__}-smollm2-{kind}-{MAX_SEQ}-1-{PREFILL}.pte"
+    digest = export_code_digest()[:12]
+    name = f"diffulex-edge-export-{digest}-smollm2-{kind}-{MAX_SEQ}-1-{PREFILL}.pte"
     return cache_dir() / name
 
 

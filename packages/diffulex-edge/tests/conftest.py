@@ -43,16 +43,17 @@ SMOLLM2_PREFILL = 32
 
 
 def _smollm2_pte(variant: str):
-    """SmolLM2-135M-Instruct exported once per package version (block size 1, fp32, prompt
-    chunks of 32) under the membound cache: the export takes minutes on the 2-core machine,
-    so later sessions reuse it (PteEngine still verifies its record)."""
-    import diffulex_edge
+    """SmolLM2-135M-Instruct exported once per export code (block size 1, fp32, prompt
+    chunks of 32; keyed by ``export_code_digest``) under the membound cache: the export takes
+    minutes on the 2-core machine, so later sessions reuse it (PteEngine still verifies its
+    record)."""
     from diffulex_edge.checkpoint import load_checkpoint
+    from diffulex_edge.export import export_code_digest
     from membound_testing.models import cache_dir, smollm2_float_dir
 
     suffix = "" if variant == "block_kv" else f"-{variant}"
     path = cache_dir() / (
-        f"diffulex-edge-{diffulex_edge.__version__}-smollm2-f32-"
+        f"diffulex-edge-export-{export_code_digest()[:12]}-smollm2-f32-"
         f"{SMOLLM2_MAX_SEQ}-1-{SMOLLM2_PREFILL}{suffix}.pte"
     )
     if not (path.is_file() and path.with_name(path.name + ".json").is_file()):

@@ -4,12 +4,11 @@ processes (this directory is put on their PYTHONPATH); the original is named by 
 environment variable the test sets.
 
 ``check_pte`` also notes whether opening a mutant reached ExecuTorch's loader: a call to
-``Runtime.load_program`` (counted by a wrapper), or, while ``executorch.runtime`` was not yet
-imported in this worker, its import during the call (``PteEngine`` imports it only to call
-``load_program``; importing it costs seconds, so refused mutants are checked without it). It
-appends one JSON line per such mutant to ``DIFFULEX_FUZZ_REACH_LOG`` with whether the
-mutant was byte-identical (program) and content-identical (record) to the original: with
-verification on, only those may reach ExecuTorch.
+the ``load_program`` of the runtime ``PteEngine`` loads through
+(``diffulex_edge.executorch_import.runtime()``, counted by a wrapper). It appends one JSON
+line per such mutant to ``DIFFULEX_FUZZ_REACH_LOG`` with whether the mutant was
+byte-identical (program) and content-identical (record) to the original: with verification
+on, only those may reach ExecuTorch.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import json
 import os
 import random
 import shutil
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -73,15 +71,16 @@ def checkpoint_targets(model, out: Path, foreign: bool) -> dict[str, fuzz.Target
 
 @cache
 def _count_load_program() -> None:
-    from executorch.runtime import Runtime
+    from diffulex_edge.executorch_import import runtime
 
-    real = Runtime.load_program
+    loader = runtime()
+    real = loader.load_program
 
-    def counting(self, data, *args, **kwargs):
+    def counting(data, *args, **kwargs):
         _reached.append(len(data) if isinstance(data, (bytes, bytearray)) else -1)
-        return real(self, data, *args, **kwargs)
+        return real(data, *args, **kwargs)
 
-    Runtime.load_program = counting
+    loader.load_program = counting
 
 
 def _block_logits(engine) -> torch.Tensor:
@@ -120,14 +119,12 @@ def check_pte(path: str) -> bool:
     except ValueError:
         record = None
     pristine = pte.read_bytes() == orig_bytes and record == orig_record
-    imported = "executorch.runtime" in sys.modules
-    if imported:
-        _count_load_program()
+    _count_load_program()
     _reached.clear()
     try:
         engine = PteEngine(pte)
     finally:
-        if _reached or (not imported and "executorch.runtime" in sys.modules):
+        if _reached:
             with open(os.environ["DIFFULEX_FUZZ_REACH_LOG"], "a") as log:
                 log.write(json.dumps({"mutant": path, "pristine": pristine}) + "\n")
     orig_meta, orig_config, orig_logits = _original_pte_outputs()

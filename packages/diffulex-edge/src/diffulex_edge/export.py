@@ -26,6 +26,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -149,6 +150,45 @@ EXPORT_VARIANTS: dict[str, type[nn.Module]] = {
     "block_kv": BlockKVGraph,
     "static_kv": StaticKVGraph,
 }
+
+
+# Modules that only load, run or train programs: no export runs their code.
+_RUN_ONLY_MODULES = frozenset(
+    {
+        "__about__.py",
+        "cli.py",
+        "generate.py",
+        "page_lock.py",
+        "remasking.py",
+        "runtime.py",
+        "sampling.py",
+        "task.py",
+        "train.py",
+        "xnnpack_weight_cache.py",
+    }
+)
+
+
+@cache
+def export_code_digest() -> str:
+    """SHA-256 (hex) of what decides the program :func:`export_pte` writes for a given
+    model and arguments, other than the model: the source of every module of this package
+    an export can run (all but the run-only ones), and the torch, ExecuTorch and torchao
+    versions. A cache of exported programs keyed by it (the test suite's, the demo's)
+    stays valid across releases that change only how programs are run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for path in sorted(here.glob("*.py")):
+        if path.name not in _RUN_ONLY_MODULES:
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for package in ("torch", "executorch", "torchao"):
+        try:
+            h.update(f"{package}=={version(package)}\0".encode())
+        except PackageNotFoundError:
+            h.update(f"{package} missing\0".encode())
+    return h.hexdigest()
 
 
 def config_digest(config) -> int:

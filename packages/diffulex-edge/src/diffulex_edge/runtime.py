@@ -1,4 +1,4 @@
-"""Run block-diffusion generation on an exported ``.pte`` through ``executorch.runtime``.
+"""Run block-diffusion generation on an exported ``.pte`` through ExecuTorch's runtime.
 
 The engine verifies the program against its integrity record (``<name>.pte.json``,
 :mod:`diffulex_edge.pte_record`) by reading the file once before ExecuTorch sees a byte,
@@ -13,7 +13,7 @@ itself and needs no masks: the engine loads ExecuTorch's LLM custom-op kernels f
 from __future__ import annotations
 
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 from diffulex_edge.backends import StaticBackend
@@ -34,6 +34,7 @@ from diffulex_edge.generate import (
     generate_autoregressive,
 )
 from diffulex_edge.kv_cache import StaticCacheLayout
+from diffulex_edge.page_lock import no_page_locking
 from diffulex_edge.pte_record import file_identity, record_path, verify_program_file
 from diffulex_edge.xnnpack_weight_cache import WeightCacheUnavailable, shared_packed_weights
 
@@ -74,6 +75,13 @@ class PteEngine:
     ``shares_packed_weights`` says whether they do. Where the ExecuTorch runtime cannot
     switch the cache, each method packs its own copy (SmolLM2 in fp32: 517 MiB each) and a
     program with a prefill method loads with a ``RuntimeWarning`` saying so.
+
+    ``lock_pages``: ExecuTorch locks every segment it maps in memory (``mlock``), where the
+    process may: as root, or under a raised ``RLIMIT_MEMLOCK``. A locked page cannot be
+    evicted under a memory limit. By default the engine loads the program with locking
+    refused (:mod:`diffulex_edge.page_lock`), so the mapped weights stay evictable file
+    pages for every user, as they already are for an ordinary one; ``lock_pages=True``
+    leaves ExecuTorch's locking as it is (fewer page faults, more resident memory).
     """
 
     def __init__(
@@ -82,9 +90,13 @@ class PteEngine:
         expected_config: SDARConfig | None = None,
         *,
         allow_unverified: bool = False,
+        lock_pages: bool = False,
     ) -> None:
         if not isinstance(allow_unverified, bool):
             raise DiffulexEdgeError(f"allow_unverified must be a bool, got {allow_unverified!r}")
+        if not isinstance(lock_pages, bool):
+            raise DiffulexEdgeError(f"lock_pages must be a bool, got {lock_pages!r}")
+        self.lock_pages = lock_pages
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no .pte at {path}")
@@ -97,7 +109,8 @@ class PteEngine:
             _check_identifier(path, f.read(8))
         self.verified = self.record is not None
         self.pte_bytes = identity[2]
-        self.program = self._load(path)
+        with self._loading():
+            self.program = self._load(path)
         if file_identity(path) != identity:
             raise DiffulexEdgeError(
                 f"{path} changed while it was being loaded (its inode, size or mtime differ "
@@ -134,10 +147,11 @@ class PteEngine:
         prefill_size = self.meta["prefill_size"] or None
         static_kv = self.variant == "static_kv"
         if static_kv:
-            from diffulex_edge.executorch_import import llm_custom_ops
+            from diffulex_edge.executorch_import import llm_custom_kernels
 
-            llm_custom_ops()  # the kernels its forward calls
-        method, prefill = self._load_methods(prefill_size is not None and not static_kv)
+            llm_custom_kernels()  # the kernels its forward calls
+        with self._loading():
+            method, prefill = self._load_methods(prefill_size is not None and not static_kv)
         if static_kv:
             inputs = method.metadata.num_inputs()
             if inputs != 2:
@@ -166,14 +180,18 @@ class PteEngine:
         except ValueError as err:
             raise DiffulexEdgeError(f"{path}: {err}") from err
 
+    def _loading(self):
+        """What ExecuTorch may do with the pages it maps while the program loads: lock
+        them only if ``lock_pages`` (:mod:`diffulex_edge.page_lock`)."""
+        return nullcontext() if self.lock_pages else no_page_locking()
+
     def _load(self, path: Path):
         from diffulex_edge.executorch_import import runtime
 
-        Runtime = runtime()
         try:
             # By path: ExecuTorch memory-maps the file (its MmapDataLoader) instead of
             # holding a copy of the bytes.
-            return Runtime.get().load_program(str(path))
+            return runtime().load_program(str(path))
         except RuntimeError as err:
             raise DiffulexEdgeError(
                 f"ExecuTorch could not load {self.path} as a program ({err}); the file is "

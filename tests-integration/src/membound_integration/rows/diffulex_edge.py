@@ -6,7 +6,7 @@ model in the process.
 resident = the .pte's static KV cache (allocated once for max_seq tokens, whatever the
 generation); unbounded = what a dynamic cache holds after the same generation
 (layers x 2 x KV heads x head_dim x 4 bytes per committed token). The .pte is exported
-once per diffulex-edge version by the preparation step
+once per diffulex-edge export code by the preparation step
 (``python -m membound_integration.prepare``); the toy sort8 model lives in the package's
 benchmarks.
 """
@@ -21,14 +21,15 @@ MAX_NEW_TOKENS = 24
 
 
 def smollm2_pte() -> Path:
-    """SmolLM2 exported to a static_kv .pte under the cache, once per diffulex-edge version
-    (the package's test suite uses the same file)."""
-    import diffulex_edge
+    """SmolLM2 exported to a static_kv .pte under the cache, once per diffulex-edge export
+    code (``export_code_digest``; the package's test suite uses the same file)."""
     from diffulex_edge import export_pte, load_checkpoint
+    from diffulex_edge.export import export_code_digest
     from membound_testing.models import cache_dir, smollm2_float_dir
 
     name = (
-        f"diffulex-edge-{diffulex_edge.__version__}-smollm2-f32-{MAX_SEQ}-1-{PREFILL}-static_kv.pte"
+        f"diffulex-edge-export-{export_code_digest()[:12]}-smollm2-f32-{MAX_SEQ}-1-{PREFILL}"
+        "-static_kv.pte"
     )
     path = cache_dir() / name
     if not (path.is_file() and path.with_name(path.name + ".json").is_file()):
