@@ -151,7 +151,6 @@ def test_the_public_runtime_gives_the_same_logits(pte_paths, monkeypatch):
     torch.testing.assert_close(public, lean, rtol=0, atol=0)
 
 
-
 _EXPORT = textwrap.dedent(
     """
     import json, sys
