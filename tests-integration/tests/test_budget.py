@@ -110,6 +110,16 @@ def test_bisection_reports_none_when_even_hi_fails():
     assert "fails even at 128 MiB" in found.describe()
 
 
+def test_bisection_goes_on_above_hi_up_to_the_fallback_keeping_every_try():
+    found = bisect_min_limit(
+        lambda limit: (limit >= 900 * MiB, ""), 64 * MiB, 512 * MiB, fallback_hi=2048 * MiB
+    )
+    assert 900 * MiB <= found.min_bytes <= 916 * MiB
+    assert found.tries[0] == (512 * MiB, False, "") and found.tries[1][0] == 2048 * MiB
+    no_fallback = bisect_min_limit(lambda limit: (limit >= 900 * MiB, ""), 64 * MiB, 512 * MiB)
+    assert no_fallback.min_bytes is None and len(no_fallback.tries) == 1
+
+
 def test_no_writable_cgroup_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cgroup, "V1", tmp_path / "none")
     monkeypatch.setattr(cgroup, "V2_CANDIDATES", (tmp_path / "none",))

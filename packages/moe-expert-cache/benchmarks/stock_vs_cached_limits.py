@@ -179,7 +179,7 @@ def _passes(entry: dict, expected: list[int]) -> tuple[bool, str]:
 
 def measure_min_limit(command, expected, unlimited: dict, resolution_mib: int) -> dict:
     """The smallest hard limit (reads unthrottled) at which ``command`` still passes."""
-    from membound_integration.budget.runner import Bisection, bisect_min_limit
+    from membound_integration.budget.runner import bisect_min_limit
 
     timeout = max(120.0, 4 * unlimited["wall_s"])
     tries_full = []
@@ -194,11 +194,8 @@ def measure_min_limit(command, expected, unlimited: dict, resolution_mib: int) -
     # Anonymous memory cannot be reclaimed without swap, file pages can: the unlimited run's
     # anonymous peak + 128 MiB is tried first, then, if it fails, up to its whole peak.
     hi = (int(unlimited["peak_anon_mib"]) + 128) * MiB
-    found = bisect_min_limit(passes, 64 * MiB, hi, resolution_mib * MiB)
     top = (int(unlimited["peak_usage_mib"] or 4096) + 32) * MiB
-    if found.min_bytes is None and top > hi:
-        more = bisect_min_limit(passes, hi, top, resolution_mib * MiB)
-        found = Bisection(more.min_bytes, more.resolution, found.tries + more.tries)
+    found = bisect_min_limit(passes, 64 * MiB, hi, resolution_mib * MiB, fallback_hi=top)
     return {
         "min_limit_mib": None if found.min_bytes is None else found.min_bytes // MiB,
         "describe": found.describe(),

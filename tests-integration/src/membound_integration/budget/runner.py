@@ -184,12 +184,16 @@ def bisect_min_limit(
     lo: int,
     hi: int,
     resolution: int = 16 * MiB,
+    *,
+    fallback_hi: int | None = None,
 ) -> Bisection:
     """The smallest limit in (lo, hi], to ``resolution``, at which ``passes(limit)`` holds.
 
     ``passes(limit) -> (ok, status)`` runs the job once under ``limit``. ``hi`` is tried
-    first (if it fails, there is no answer); ``lo`` is taken to fail without a try unless
-    the search comes down to it. Passing is assumed monotone in the limit.
+    first (if it fails, there is no answer, unless ``fallback_hi`` > ``hi`` is given: then
+    the search goes on in (hi, fallback_hi], every try kept); ``lo`` is taken to fail
+    without a try unless the search comes down to it. Passing is assumed monotone in the
+    limit.
     """
     if not 0 < lo < hi:
         raise ValueError(f"need 0 < lo < hi, got lo={lo}, hi={hi}")
@@ -199,6 +203,9 @@ def bisect_min_limit(
     ok, status = passes(hi)
     tries.append((hi, ok, status))
     if not ok:
+        if fallback_hi is not None and fallback_hi > hi:
+            more = bisect_min_limit(passes, hi, fallback_hi, resolution)
+            return Bisection(more.min_bytes, more.resolution, tries + more.tries)
         return Bisection(None, resolution, tries)
     good, bad = hi, lo
     while good - bad > resolution:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from membound_integration.budget.cgroup import block_device_of
 from membound_integration.budget.profiles import PROFILES, MiB, Profile
-from membound_integration.budget.runner import Bisection, RunResult, bisect_min_limit, run_limited
+from membound_integration.budget.runner import RunResult, bisect_min_limit, run_limited
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
 BISECT_LO = 64 * MiB  # below what Python and torch need to start: taken to fail
@@ -99,11 +99,8 @@ def measure_min_limit(module: str, row_id: str, hi: int, timeout: float) -> dict
             return False, result.status
         return bool(row["correct"]), "ok" if row["correct"] else "wrong answer"
 
-    found = bisect_min_limit(passes, BISECT_LO, hi)
-    if found.min_bytes is None and hi < BISECT_HI:
-        # The row's own ample peak was not enough here: search above it.
-        more = bisect_min_limit(passes, hi, BISECT_HI)
-        found = Bisection(more.min_bytes, more.resolution, found.tries + more.tries)
+    # If the row's own ample peak is not enough here, the search goes on above it.
+    found = bisect_min_limit(passes, BISECT_LO, hi, fallback_hi=BISECT_HI)
     return {
         **_stamp(),
         "min_limit_mib": None if found.min_bytes is None else found.min_bytes // MiB,
