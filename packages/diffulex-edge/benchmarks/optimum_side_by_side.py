@@ -123,11 +123,22 @@ RUNNERS = dict(
 )
 
 
-def child(kind: str, path: str, model_dir: str, new_tokens: int) -> None:
-    """One fresh process: load, warm up, time a prefill and a greedy decode, print JSON."""
+def write_prompts(model_dir: Path, out: Path) -> Path:
+    """The prompts' token ids, for the children: tokenizing is the parent's work, so a
+    child imports only what runs its program (transformers' tokenizer alone costs 118 MiB
+    of anonymous memory)."""
+    chat, long = _prompts(model_dir, 64)
+    out.write_text(json.dumps({"chat": chat, "long": long}))
+    return out
+
+
+def child(kind: str, path: str, prompt_ids: str, new_tokens: int) -> None:
+    """One fresh process: load, warm up, time a prefill and a greedy decode, print JSON
+    (the tokens; the parent decodes them)."""
     torch.set_num_threads(1)
     runner = RUNNERS[kind](path)
-    chat, long = _prompts(Path(model_dir), 64)
+    prompts = json.loads(Path(prompt_ids).read_text())
+    chat, long = prompts["chat"], prompts["long"]
     runner.prefill(chat[:4])  # warm-up, untimed
     start = time.perf_counter()
     runner.prefill(long)
@@ -139,16 +150,9 @@ def child(kind: str, path: str, model_dir: str, new_tokens: int) -> None:
         logits = runner.step(tokens[-1], len(chat) + len(tokens) - 1)
         tokens.append(int(logits.argmax()))
     decode_s = time.perf_counter() - start
-    text = ""
-    if (Path(model_dir) / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
-        text = tok.decode(tokens, skip_special_tokens=True)
     print(
         json.dumps(
             {
-                "text": text,
                 "prefill_tokens_per_s": len(long) / prefill_s,
                 "decode_tokens_per_s": (new_tokens - 1) / decode_s,
                 "tokens": tokens,
@@ -216,7 +220,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny random Llama, nothing saved")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", nargs=3, metavar=("KIND", "PATH", "MODEL_DIR"))
+    parser.add_argument(
+        "--child",
+        nargs=3,
+        metavar=("KIND", "PATH", "PROMPT_IDS"),
+        help="run one program (PROMPT_IDS: the JSON write_prompts writes)",
+    )
     parser.add_argument(
         "--keep",
         type=Path,
@@ -237,10 +246,11 @@ def main() -> None:
             tmp = args.keep
         model_dir = _tiny_llama(tmp) if args.quick else smollm2_float_dir()
         exports = export_both(model_dir, tmp)
+        prompt_ids = write_prompts(model_dir, tmp / "prompt_ids.json")
         runs: dict[str, list[dict]] = {k: [] for k in KINDS}
         for _ in range(1 if args.quick else args.rounds):
             for kind in KINDS:
-                cmd = [sys.executable, __file__, "--child", kind, exports[kind][0], str(model_dir)]
+                cmd = [sys.executable, __file__, "--child", kind, exports[kind][0], str(prompt_ids)]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode:
                     raise RuntimeError(f"{kind} child failed:\n{done.stderr[-3000:]}")

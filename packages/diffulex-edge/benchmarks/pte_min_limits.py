@@ -1,15 +1,17 @@
 """The minimum hard memory limit at which each SmolLM2 program still answers the chat
-question: diffulex-edge's .pte (static_kv, block_kv, static_kv 8da4w), optimum-executorch's
-.pte and eager transformers, each run as ``optimum_side_by_side.py --child`` (a 200-token
-prefill, then 32 greedy tokens after the chat prompt).
+question: diffulex-edge's .pte (static_kv, block_kv, static_kv 8da4w and 8da4w-mixed),
+optimum-executorch's .pte and eager transformers, each run as ``optimum_side_by_side.py
+--child`` (a 200-token prefill, then 32 greedy tokens after the chat prompt).
 
-Each try is a fresh process in its own cgroup (the budget runner of
+The children get the prompts as token ids (``prompt_ids.json`` in DIR) and print their
+tokens; this process decodes them. Each try is a fresh process in its own cgroup (the budget runner of
 ``membound_integration.budget``: a hard limit with swap off, the page cache dropped first);
 the smallest limit at which the answer still says "Paris" is bisected. The programs come
-from the side-by-side benchmark's ``--keep`` directory, plus an 8da4w export:
+from the side-by-side benchmark's ``--keep`` directory, plus two quantized exports:
 
     hatch run diffulex-edge-optimum:bench --keep DIR
     diffulex-edge export MODEL_DIR -o DIR/diffulex-static_kv-8da4w.pte --variant static_kv --quantize 8da4w
+    diffulex-edge export MODEL_DIR -o DIR/diffulex-static_kv-8da4w-mixed.pte --variant static_kv --quantize 8da4w-mixed
     hatch run python packages/diffulex-edge/benchmarks/pte_min_limits.py DIR
 
 Needs root (cgroups). Runs in the default environment, which holds the budget runner; the
@@ -41,6 +43,7 @@ PROGRAMS = {  # row -> (child kind, file or directory under DIR; None = the mode
     "diffulex-edge .pte static_kv": (KINDS[0], "diffulex-static_kv.pte"),
     "diffulex-edge .pte block_kv": (KINDS[1], "diffulex-block_kv.pte"),
     "diffulex-edge .pte static_kv 8da4w": (KINDS[0], "diffulex-static_kv-8da4w.pte"),
+    "diffulex-edge .pte static_kv 8da4w-mixed": (KINDS[0], "diffulex-static_kv-8da4w-mixed.pte"),
     "optimum-executorch .pte": (KINDS[2], "optimum"),
     "eager transformers": (KINDS[3], None),
 }
@@ -60,12 +63,22 @@ def optimum_python() -> str:
     return str(python)
 
 
-def measure(command: list[str], resolution_mib: int) -> dict:
+def _answer(stdout: str, tokenizer) -> str:
+    """The child's greedy tokens, decoded here (the child imports no tokenizer)."""
+    try:
+        tokens = json.loads(stdout.strip().splitlines()[-1])["tokens"]
+    except (IndexError, KeyError, ValueError):
+        return ""
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def measure(command: list[str], resolution_mib: int, tokenizer) -> dict:
     from membound_integration.budget.profiles import MiB
     from membound_integration.budget.runner import bisect_min_limit, run_limited
 
     first = run_limited(command, 4096 * MiB)
-    if not first.completed or ANSWER not in first.stdout:
+    text = _answer(first.stdout, tokenizer) if first.completed else ""
+    if ANSWER not in text:
         return {"unlimited": first.status, "stderr": first.stderr.strip()[-400:]}
     timeout = max(120.0, 4 * first.wall_s)
 
@@ -73,12 +86,11 @@ def measure(command: list[str], resolution_mib: int) -> dict:
         result = run_limited(command, limit, timeout=timeout)
         if not result.completed:
             return False, result.status
-        ok = ANSWER in result.stdout
+        ok = ANSWER in _answer(result.stdout, tokenizer)
         return ok, "ok" if ok else "wrong answer"
 
     hi = (first.peak_usage // MiB + 32) * MiB
     found = bisect_min_limit(passes, 64 * MiB, hi, resolution_mib * MiB)
-    text = json.loads(first.stdout.strip().splitlines()[-1])["text"]
     return {
         "min_limit_mib": None if found.min_bytes is None else found.min_bytes // MiB,
         "peak_anon_mib": round(first.peak_anon / MiB, 1),
@@ -107,10 +119,15 @@ def main(argv=None) -> None:
         if setpriv is None:
             raise SystemExit("setpriv (util-linux) is needed to drop CAP_IPC_LOCK: install it")
         prefix = [setpriv, "--bounding-set", "-ipc_lock"]
+    from optimum_side_by_side import write_prompts
+    from transformers import PreTrainedTokenizerFast
+
     from membound_testing.models import smollm2_float_dir
     from membound_testing.results import write_result
 
     model_dir = smollm2_float_dir()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    prompt_ids = write_prompts(model_dir, args.programs / "prompt_ids.json")
     python = optimum_python()
     load_start = os.getloadavg()[0]
     rows, raw = [], {}
@@ -127,8 +144,9 @@ def main(argv=None) -> None:
             "--child",
             kind,
             str(path),
+            str(prompt_ids),
         ]
-        entry = measure([*command, str(model_dir)], args.resolution)
+        entry = measure(command, args.resolution, tokenizer)
         raw[row] = entry
         print(row, json.dumps(entry), flush=True)
         size = "-" if name is None else round(_bytes(path) / 2**20, 1)
@@ -176,8 +194,10 @@ def main(argv=None) -> None:
         f"chat prompt), one fresh process per try in its own cgroup (hard limit, swap off, "
         f"page cache dropped first); bisected at {args.resolution} MiB between 64 MiB and "
         "the unlimited run's peak usage + 32 MiB; a try passes when its text says "
-        f"{ANSWER!r} within max(120 s, 4x the unlimited wall time). Eager transformers maps "
-        "the float32 safetensors. "
+        f"{ANSWER!r} within max(120 s, 4x the unlimited wall time). Every child gets the "
+        "prompts as token ids and prints its greedy tokens, which this process decodes: no "
+        "child imports a tokenizer (transformers' costs 118 MiB of anonymous memory). Eager "
+        "transformers maps the float32 safetensors. "
         + (
             "Children kept root's CAP_IPC_LOCK (ExecuTorch's runtime locks what it maps). "
             if args.keep_ipc_lock

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct: the 8da4w .pte against the fp32 .pte — file size and perplexity on
+"""SmolLM2-135M-Instruct: the 8da4w and 8da4w-mixed .pte against the fp32 .pte — file size and perplexity on
 a held-out text, both computed through the programs' own prefill method (no timing).
 
     python packages/diffulex-edge/benchmarks/smollm2_quality.py [--quick]
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from diffulex_edge import PteEngine, export_pte, load_checkpoint
-from diffulex_edge.export import export_code_digest
+from diffulex_edge.export import MIXED_INT8_LAYERS, QUANTIZATIONS, export_code_digest
 
 RESULTS = Path(__file__).parent / "results"
 COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quality.py"
@@ -80,38 +80,43 @@ def main() -> None:
     if args.quick:
         ids = ids[:, :64]
     rows, sizes, ppl = [], {}, {}
-    for quantize in (None, "8da4w"):
+    for quantize in (None, *QUANTIZATIONS):
         path = ensure_pte(quantize)
         engine = PteEngine(path)
         name = f"pte block_kv {quantize or 'fp32'}"
         sizes[name], ppl[name] = path.stat().st_size, perplexity(engine.backend, ids)
         rows.append([name, round(sizes[name] / 2**20, 1), round(ppl[name], 3)])
-    fp32, q = "pte block_kv fp32", "pte block_kv 8da4w"
-    size_ratio, ppl_ratio = sizes[q] / sizes[fp32], ppl[q] / ppl[fp32]
-    write_result(
-        RESULTS,
-        package="diffulex-edge",
-        name="smollm2_8da4w",
-        title="SmolLM2-135M-Instruct .pte: 8da4w against fp32 (size, held-out perplexity)",
-        command=COMMAND,
-        columns=["program", ".pte MiB", "perplexity"],
-        rows=rows,
-        targets=[
+    fp32 = "pte block_kv fp32"
+    targets = []
+    for q in (f"pte block_kv {name}" for name in QUANTIZATIONS):
+        size_ratio, ppl_ratio = sizes[q] / sizes[fp32], ppl[q] / ppl[fp32]
+        targets += [
             {
-                "target": "8da4w .pte size <= 0.35x fp32's",
+                "target": f"{q.split()[-1]} .pte size <= 0.35x fp32's",
                 "measured": f"{size_ratio:.3f}x",
                 "met": size_ratio <= 0.35,
             },
             {
-                "target": "8da4w perplexity <= 1.1x fp32's",
+                "target": f"{q.split()[-1]} perplexity <= 1.1x fp32's",
                 "measured": f"{ppl[q]:.3f} vs {ppl[fp32]:.3f} ({ppl_ratio:.3f}x)",
                 "met": ppl_ratio <= 1.1,
             },
-        ],
+        ]
+    write_result(
+        RESULTS,
+        package="diffulex-edge",
+        name="smollm2_8da4w",
+        title="SmolLM2-135M-Instruct .pte: 8da4w and 8da4w-mixed against fp32 (size, held-out perplexity)",
+        command=COMMAND,
+        columns=["program", ".pte MiB", "perplexity"],
+        rows=rows,
+        targets=targets,
         notes=f"{ids.shape[1]} tokens of a held-out English paragraph (in the script), scored "
         f"through each program's prefill method ({PREFILL}-token causal chunks, static cache "
         f"of {MAX_SEQ}); 8da4w = int8 dynamic activations, int4 weights in groups of 32 on "
-        "every linear layer (torchao), embeddings left in fp32. Block size 1 (autoregressive).",
+        "every linear layer (torchao), embeddings left in fp32; 8da4w-mixed = the same, "
+        f"except {' and '.join(MIXED_INT8_LAYERS)}: int8 weights with one scale per row "
+        "(8da8w). Block size 1 (autoregressive).",
         save=not args.quick,
     )
 

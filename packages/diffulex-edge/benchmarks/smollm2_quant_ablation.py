@@ -74,7 +74,17 @@ ROWS = [
 ]
 
 
-def quantized(base, layers, head):
+INT8_ROW = ("8da8w", 0)
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# One kind of decoder layer at a time in 8da8w per row, the rest 8da4w g32, lm_head 8da8w
+# per row: does any one kind carry the loss?
+ROWS += [
+    (f"8da4w g32, {kind} and lm_head 8da8w per row", ("8da4w", 32), INT8_ROW, kind)
+    for kind in KINDS
+]
+
+
+def quantized(base, layers, head, int8_kind=None):
     from torchao.quantization.quant_api import quantize_
 
     model = copy.deepcopy(base)
@@ -82,10 +92,20 @@ def quantized(base, layers, head):
         quantize_(model, _config(*layers))
         return model
     model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    if int8_kind is not None:
+        quantize_(
+            model,
+            _config(*INT8_ROW),
+            filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn.endswith("." + int8_kind),
+        )
     quantize_(
         model,
         _config(*layers),
-        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head",
+        filter_fn=lambda m, fqn: (
+            isinstance(m, nn.Linear)
+            and fqn != "lm_head"
+            and not (int8_kind and fqn.endswith("." + int8_kind))
+        ),
     )
     if head != "fp32":
         quantize_(model, _config(*head), filter_fn=lambda m, fqn: fqn == "lm_head")
@@ -141,7 +161,7 @@ def main() -> None:
     rows = [["fp32", "-", round(fp32, 2), 1.0]]
     print(rows[-1], flush=True)
     lowers = {}
-    for name, layers, head in ROWS:
+    for name, layers, head, *kind in ROWS:
         for scheme in [layers] + ([head] if isinstance(head, tuple) else []):
             if scheme not in lowers:
                 lowers[scheme] = xnnpack_lowers(*scheme)
@@ -149,7 +169,7 @@ def main() -> None:
             f"{s[0]} {f'g{s[1]}' if s[1] else 'per row'}: {lowers[s]}"
             for s in [layers] + ([head] if isinstance(head, tuple) else [])
         )
-        ppl = perplexity(quantized(base, layers, head), ids)
+        ppl = perplexity(quantized(base, layers, head, *kind), ids)
         rows.append([name, lowered, round(ppl, 2), round(ppl / fp32, 3)])
         print(rows[-1], flush=True)
     write_result(

@@ -8,7 +8,7 @@ import torch
 from diffulex_edge.backends import EagerDynamic, EagerStaticKV
 from diffulex_edge.checkpoint import load_checkpoint
 from diffulex_edge.cli import main, trained_checkpoint
-from diffulex_edge.export import quantize_8da4w
+from diffulex_edge.export import MIXED_INT8_LAYERS, export_pte, quantize_8da4w
 from diffulex_edge.generate import GenerationConfig, generate
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.task import SortTask, encode, run_sort_task, sort_prompts
@@ -71,6 +71,50 @@ def test_8da4w_keeps_the_task(trained):
         c.eos_token_id,
     )
     assert run.exact_match >= 0.9
+
+
+def test_8da4w_mixed_is_closer_to_float_than_8da4w(trained):
+    """int8 weights on down_proj and lm_head: less drift from the float model than int4
+    there, and what the quantizer did to the other layers is the same."""
+    ids, pos = torch.tensor([encode("31415926")]), torch.arange(9)[None]
+    pure = quantize_8da4w(copy.deepcopy(trained))
+    mixed = quantize_8da4w(copy.deepcopy(trained), int8_layers=MIXED_INT8_LAYERS)
+    with torch.no_grad():
+        reference = trained(ids, pos)
+        drift = {
+            name: (model(ids, pos) - reference).abs().mean().item()
+            for name, model in (("pure", pure), ("mixed", mixed))
+        }
+    assert 0 < drift["mixed"] < drift["pure"], drift
+    q = dict(pure.named_parameters())
+    for name, weight in mixed.named_parameters():
+        layer = name.rsplit(".", 2)[-2]
+        same = torch.equal(
+            weight.dequantize() if hasattr(weight, "dequantize") else weight,
+            q[name].dequantize() if hasattr(q[name], "dequantize") else q[name],
+        )
+        assert same == (layer not in MIXED_INT8_LAYERS), name
+
+
+def test_8da4w_refuses_int8_layers_the_model_does_not_have(trained):
+    with pytest.raises(ValueError, match=r"int8_layers \['down'\] name no linear layer"):
+        quantize_8da4w(copy.deepcopy(trained), int8_layers=("down",))
+
+
+def test_an_8da4w_mixed_pte_matches_its_eager_model(trained, tmp_path):
+    from diffulex_edge.runtime import PteEngine
+
+    result = export_pte(trained, tmp_path / "m.pte", 64, 4, "static_kv", "8da4w-mixed")
+    engine = PteEngine(result.path, expected_config=trained.config)
+    assert engine.record.quantize == "8da4w-mixed"
+    eager = quantize_8da4w(copy.deepcopy(trained), int8_layers=MIXED_INT8_LAYERS)
+    prompts = sort_prompts(4, seed=3)
+    config = GenerationConfig(max_new_tokens=12)
+    c = trained.config
+    for prompt in prompts:
+        ours = engine.generate(prompt, config).tokens
+        ref = generate(EagerDynamic(eager, 4), prompt, config, c.mask_token_id, c.eos_token_id)
+        assert ours == ref.tokens, prompt
 
 
 def test_cli_generate_eager_and_pte(capsys, pte_paths):

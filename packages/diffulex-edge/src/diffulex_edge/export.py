@@ -40,7 +40,10 @@ from diffulex_edge.model import SDARModel
 from diffulex_edge.progress import StageProgress
 
 PTE_FORMAT_VERSION = 2
-QUANTIZATIONS = ("8da4w",)
+QUANTIZATIONS = ("8da4w", "8da4w-mixed")
+# 8da4w-mixed: the linear layers whose weights stay int8 (one scale per row). On SmolLM2
+# they carry most of 8da4w's perplexity loss (benchmarks/smollm2_quant_ablation.py).
+MIXED_INT8_LAYERS = ("down_proj", "lm_head")
 # The method that runs causal prefill chunks, when a program has one (block_kv only).
 PREFILL_METHOD = "prefill"
 
@@ -235,25 +238,55 @@ def program_metadata(
     }
 
 
-def quantize_8da4w(model: SDARModel, group_size: int = 32) -> SDARModel:
+def quantize_8da4w(
+    model: SDARModel, group_size: int = 32, int8_layers: tuple[str, ...] = ()
+) -> SDARModel:
     """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao).
 
-    Works in place on ``model`` (pass a copy to keep the float one). Needs the ``quant`` extra.
+    ``int8_layers``: linear layers, named by the last part of their module name (e.g.
+    ``"down_proj"``, ``"lm_head"``), whose weights are int8 with one scale per output row
+    instead (8da8w, which XNNPACK also lowers): the ``8da4w-mixed`` quantization passes
+    :data:`MIXED_INT8_LAYERS`. Works in place on ``model`` (pass a copy to keep the float
+    one). Needs the ``quant`` extra.
     """
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
 
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.in_features % group_size:
+    def int8(module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] in int8_layers
+
+    linear_names = {
+        fqn.rsplit(".", 1)[-1] for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
+    }
+    unknown = sorted(set(int8_layers) - linear_names)
+    if unknown:
+        raise ValueError(
+            f"int8_layers {unknown} name no linear layer; the model has {sorted(linear_names)}"
+        )
+    for fqn, module in model.named_modules():
+        if (
+            isinstance(module, nn.Linear)
+            and not int8(module, fqn)
+            and module.in_features % group_size
+        ):
             raise ValueError(
                 f"8da4w needs in_features divisible by group_size {group_size}; "
-                f"a linear layer has {module.in_features}"
+                f"{fqn} has {module.in_features}"
             )
+    if int8_layers:
+        quantize_(
+            model,
+            Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=torch.int8, weight_granularity=PerAxis(0)
+            ),
+            filter_fn=int8,
+        )
     quantize_(
         model,
         Int8DynamicActivationIntxWeightConfig(
             weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)
         ),
+        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and not int8(m, fqn),
     )
     return model
 
@@ -344,11 +377,12 @@ def export_pte(
         config, layout.block_size, layout.max_seq, variant, prefill_size or 0
     )
     bar = StageProgress(5 if quantize else 4, enabled=progress)
-    if quantize == "8da4w":
+    if quantize is not None:
         import copy
 
-        with bar.stage("quantize 8da4w"):
-            model = quantize_8da4w(copy.deepcopy(model))
+        int8_layers = MIXED_INT8_LAYERS if quantize == "8da4w-mixed" else ()
+        with bar.stage(f"quantize {quantize}"):
+            model = quantize_8da4w(copy.deepcopy(model), int8_layers=int8_layers)
     compile_config = None
     with bar.stage("torch.export"), torch.no_grad():
         if variant == "static_kv":

@@ -1,0 +1,98 @@
+"""SmolLM2-135M-Instruct: fp32, 8da4w and 8da4w-mixed perplexity on more held-out text than
+``smollm2_quality.py``'s paragraph (145 tokens): the three texts of different kinds that
+moe-expert-cache's benchmarks use (prose, a chat transcript, Python source; written for
+membound or MIT source, read from ``packages/moe-expert-cache/benchmarks/texts.py``), up to
+1,000 tokens each. Eager model with the export's own quantizers (a program's static cache of
+256 would not take a 1,000-token prefill); no timing.
+
+    python packages/diffulex-edge/benchmarks/smollm2_quant_texts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+MOE_BENCHMARKS = HERE.parents[1] / "moe-expert-cache" / "benchmarks"
+COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quant_texts.py"
+MAX_TOKENS = 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(MOE_BENCHMARKS))
+    from texts import texts
+    from transformers import PreTrainedTokenizerFast
+
+    from diffulex_edge import load_checkpoint
+    from diffulex_edge.backends import EagerDynamic
+    from diffulex_edge.export import MIXED_INT8_LAYERS, quantize_8da4w
+    from membound_testing.models import smollm2_float_dir
+    from membound_testing.results import write_result
+
+    model_dir = smollm2_float_dir()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    base = load_checkpoint(model_dir).eval()
+    models = {
+        "fp32": base,
+        "8da4w": quantize_8da4w(copy.deepcopy(base)),
+        "8da4w-mixed": quantize_8da4w(copy.deepcopy(base), int8_layers=MIXED_INT8_LAYERS),
+    }
+    rows, worst = [], {"8da4w": 0.0, "8da4w-mixed": 0.0}
+    for name, text in texts().items():
+        ids = torch.tensor([tokenizer(text)["input_ids"][:MAX_TOKENS]])
+        ppl = {}
+        for label, model in models.items():
+            with torch.no_grad():
+                logits = EagerDynamic(model, 1).prefill_causal(ids, all_logits=True)
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+            ppl[label] = math.exp(nll.item())
+        row = [name, ids.shape[1], round(ppl["fp32"], 2)]
+        for label in worst:
+            ratio = ppl[label] / ppl["fp32"]
+            worst[label] = max(worst[label], ratio)
+            row += [round(ppl[label], 2), round(ratio, 3)]
+        rows.append(row)
+        print(row, flush=True)
+    write_result(
+        HERE / "results",
+        package="diffulex-edge",
+        name="smollm2_quant_texts",
+        title="SmolLM2-135M-Instruct: 8da4w and 8da4w-mixed perplexity on three more texts",
+        command=COMMAND,
+        columns=[
+            "text",
+            "tokens",
+            "fp32",
+            "8da4w",
+            "8da4w x fp32",
+            "8da4w-mixed",
+            "8da4w-mixed x fp32",
+        ],
+        rows=rows,
+        targets=[
+            {
+                "target": f"{label} perplexity <= 1.1x fp32's on every text",
+                "measured": f"worst {ratio:.3f}x",
+                "met": ratio <= 1.1,
+            }
+            for label, ratio in worst.items()
+        ],
+        notes="One causal prefill of the eager model (diffulex-edge's SDAR port of SmolLM2, "
+        "block size 1) per text and scheme, after the export's own quantize_8da4w; 8da4w-mixed "
+        f"keeps {' and '.join(MIXED_INT8_LAYERS)} in int8 weights, one scale per row. Texts: "
+        "moe-expert-cache/benchmarks/texts.py, the first "
+        f"{MAX_TOKENS} tokens of each.",
+    )
+
+
+if __name__ == "__main__":
+    main()
