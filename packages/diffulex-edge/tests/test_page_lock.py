@@ -86,6 +86,16 @@ def test_no_page_locking_refuses_locks_inside_and_restores_after_an_error():
     assert ipc_lock_effective() == capability
 
 
+def test_where_python_has_no_resource_module_loading_goes_ahead(monkeypatch, pte_paths):
+    """Windows: no memory-lock limit to lower; the engine still loads."""
+    from diffulex_edge import page_lock
+
+    monkeypatch.setattr(page_lock, "resource", None)
+    with no_page_locking():
+        pass
+    assert PteEngine(pte_paths["block_kv"]).meta["block_size"] == 4
+
+
 def test_lock_pages_must_be_a_bool(pte_paths):
     from diffulex_edge.errors import DiffulexEdgeError
 

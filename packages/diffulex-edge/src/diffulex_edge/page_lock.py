@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import resource
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+try:
+    import resource
+except ImportError:  # Windows: no memory-lock limit to lower (and no mlock)
+    resource = None
 
 CAP_IPC_LOCK = 14
 _CAPABILITY_VERSION_3 = 0x20080522
@@ -82,6 +86,9 @@ def ipc_lock_effective() -> bool | None:
 def no_page_locking() -> Iterator[None]:
     """Inside the block, the kernel refuses this process's page locks (see the module
     docstring); the memory-lock limit and the thread's capabilities are restored after."""
+    if resource is None:
+        yield
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, hard))
     data = _capabilities()
