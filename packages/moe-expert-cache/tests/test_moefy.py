@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from moe_expert_cache import CacheConfig, generate, load_cached_model
-from moe_expert_cache.moefy import MoefyConfig, load_dense, moefy
+from moe_expert_cache.moefy import MoefyConfig, build_key, load_dense, moefy
 
 IDS = np.random.default_rng(0).integers(0, 128, 96).tolist()
 SHARED = MoefyConfig(
@@ -83,3 +83,17 @@ def test_moefy_refuses_a_shared_size_that_does_not_fit_and_leaves_nothing(
     with pytest.raises(ValueError, match=message):
         moefy(tiny_llama, tmp_path / "m", IDS, config, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_build_key_ignores_which_transformers_wrote_the_config(tmp_path):
+    """A dense copy converted by another transformers release finds the same build; a
+    changed model field does not."""
+    keys = []
+    for name, version, layers in (("a", "5.23.0", 30), ("b", "5.24.0", 30), ("c", "5.24.0", 31)):
+        d = tmp_path / name
+        d.mkdir()
+        config = {"model_type": "llama", "num_hidden_layers": layers}
+        (d / "config.json").write_text(json.dumps({**config, "transformers_version": version}))
+        (d / "model.safetensors").write_bytes(b"0" * 8)
+        keys.append(build_key(d, IDS, SHARED))
+    assert keys[0] == keys[1] != keys[2]

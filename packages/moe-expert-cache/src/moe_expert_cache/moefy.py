@@ -186,10 +186,16 @@ def _recall(pred: np.ndarray, true: np.ndarray, k: int) -> float:
 
 
 def build_key(dense_dir: Path, calibration_ids: Sequence[int], config: MoefyConfig) -> str:
-    """What decides the build: package version, format, settings, source and calibration."""
+    """What decides the build: package version, format, settings, source and calibration.
+
+    The source's ``config.json`` counts by its content, less ``transformers_version`` (which
+    transformers release wrote the file): a copy converted by another release is the same
+    model and finds the same build."""
     h = hashlib.sha256()
     h.update(f"{__version__}/{BUILD_FORMAT}/{json.dumps(asdict(config), sort_keys=True)}".encode())
-    h.update((Path(dense_dir) / "config.json").read_bytes())
+    source = json.loads((Path(dense_dir) / "config.json").read_text())
+    source.pop("transformers_version", None)
+    h.update(json.dumps(source, sort_keys=True).encode())
     for f in sorted(Path(dense_dir).glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     h.update(np.asarray(calibration_ids, dtype=np.int64).tobytes())
