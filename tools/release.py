@@ -33,7 +33,7 @@ from _common import PACKAGES, ROOT, hatch
 # Packages whose wheel carries compiled code and so must be platform-tagged.
 PLATFORM_WHEELS = {"paired-cache", "zstd-linear"}
 # The dev machines' CPU torch; a user's pip resolves the open range in the metadata.
-DEV_CONSTRAINTS = "torch==2.13.0\n"
+DEV_CONSTRAINTS = "torch==2.13.0\ntransformers==5.23.0\n"  # as hatch.toml pins them
 
 # A pytest plugin loaded into each wheel's test run: after collection (when the tests have
 # imported the package) and at the end, the package must come from the venv, never from
