@@ -4,8 +4,9 @@ optimum-executorch's .pte and eager transformers, each run as ``optimum_side_by_
 --child`` (a 200-token prefill, then 32 greedy tokens after the chat prompt).
 
 The children get the prompts as token ids (``prompt_ids.json`` in DIR) and print their
-tokens; this process decodes them. Each try is a fresh process in its own cgroup (the budget runner of
-``membound_integration.budget``: a hard limit with swap off, the page cache dropped first);
+tokens; this process decodes them. Each try is a fresh process in its own cgroup (the
+budget runner of ``membound_integration.budget``: a hard limit with swap off, the page
+cache dropped first);
 the smallest limit at which the answer still says "Paris" is bisected. The programs come
 from the side-by-side benchmark's ``--keep`` directory, plus two quantized exports:
 

@@ -1,10 +1,11 @@
-"""SmolLM2-135M-Instruct: the 8da4w and 8da4w-mixed .pte against the fp32 .pte — file size and perplexity on
-a held-out text, both computed through the programs' own prefill method (no timing).
+"""SmolLM2-135M-Instruct: the 8da4w and 8da4w-mixed .pte against the fp32 .pte — file size
+and perplexity on a held-out text, each computed through the program's own prefill method
+(no timing).
 
     python packages/diffulex-edge/benchmarks/smollm2_quality.py [--quick]
 
-Both programs are exported once per diffulex-edge version under the membound cache (the fp32
-one is the test suite's and the demo row's); an export takes several minutes on 2 cores.
+The programs are exported once per export code (``export_code_digest``) under the membound
+cache (the fp32 one is the test suite's); an export takes several minutes on 2 cores.
 ``--quick`` scores the first 64 tokens and does not save the JSON.
 """
 

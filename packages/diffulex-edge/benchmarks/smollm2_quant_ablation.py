@@ -77,7 +77,7 @@ ROWS = [
 INT8_ROW = ("8da8w", 0)
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # One kind of decoder layer at a time in 8da8w per row, the rest 8da4w g32, lm_head 8da8w
-# per row: does any one kind carry the loss?
+# per row (quantize_8da4w's int8_layers): does any one kind carry the loss?
 ROWS += [
     (f"8da4w g32, {kind} and lm_head 8da8w per row", ("8da4w", 32), INT8_ROW, kind)
     for kind in KINDS
@@ -87,25 +87,19 @@ ROWS += [
 def quantized(base, layers, head, int8_kind=None):
     from torchao.quantization.quant_api import quantize_
 
+    from diffulex_edge.export import quantize_8da4w
+
     model = copy.deepcopy(base)
+    if int8_kind is not None:  # the package's own mixed quantizer (8da4w g32 + 8da8w per row)
+        return quantize_8da4w(model, int8_layers=(int8_kind, "lm_head"))
     if head == "tied":
         quantize_(model, _config(*layers))
         return model
     model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
-    if int8_kind is not None:
-        quantize_(
-            model,
-            _config(*INT8_ROW),
-            filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn.endswith("." + int8_kind),
-        )
     quantize_(
         model,
         _config(*layers),
-        filter_fn=lambda m, fqn: (
-            isinstance(m, nn.Linear)
-            and fqn != "lm_head"
-            and not (int8_kind and fqn.endswith("." + int8_kind))
-        ),
+        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head",
     )
     if head != "fp32":
         quantize_(model, _config(*head), filter_fn=lambda m, fqn: fqn == "lm_head")

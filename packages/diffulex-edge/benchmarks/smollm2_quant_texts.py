@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import sys
 from pathlib import Path
 
@@ -22,6 +21,9 @@ HERE = Path(__file__).resolve().parent
 MOE_BENCHMARKS = HERE.parents[1] / "moe-expert-cache" / "benchmarks"
 COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quant_texts.py"
 MAX_TOKENS = 1000
+sys.path.insert(0, str(HERE))
+
+from smollm2_quant_ablation import perplexity  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +35,6 @@ def main() -> None:
     from transformers import PreTrainedTokenizerFast
 
     from diffulex_edge import load_checkpoint
-    from diffulex_edge.backends import EagerDynamic
     from diffulex_edge.export import MIXED_INT8_LAYERS, quantize_8da4w
     from membound_testing.models import smollm2_float_dir
     from membound_testing.results import write_result
@@ -49,12 +50,7 @@ def main() -> None:
     rows, worst = [], {"8da4w": 0.0, "8da4w-mixed": 0.0}
     for name, text in texts().items():
         ids = torch.tensor([tokenizer(text)["input_ids"][:MAX_TOKENS]])
-        ppl = {}
-        for label, model in models.items():
-            with torch.no_grad():
-                logits = EagerDynamic(model, 1).prefill_causal(ids, all_logits=True)
-            nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-            ppl[label] = math.exp(nll.item())
+        ppl = {label: perplexity(model, ids) for label, model in models.items()}
         row = [name, ids.shape[1], round(ppl["fp32"], 2)]
         for label in worst:
             ratio = ppl[label] / ppl["fp32"]

@@ -86,13 +86,14 @@ def test_8da4w_mixed_is_closer_to_float_than_8da4w(trained):
             for name, model in (("pure", pure), ("mixed", mixed))
         }
     assert 0 < drift["mixed"] < drift["pure"], drift
+
+    def values(w):  # a quantized weight's dequantized values, a float one as it is
+        return w.dequantize() if hasattr(w, "dequantize") else w
+
     q = dict(pure.named_parameters())
     for name, weight in mixed.named_parameters():
         layer = name.rsplit(".", 2)[-2]
-        same = torch.equal(
-            weight.dequantize() if hasattr(weight, "dequantize") else weight,
-            q[name].dequantize() if hasattr(q[name], "dequantize") else q[name],
-        )
+        same = torch.equal(values(weight), values(q[name]))
         assert same == (layer not in MIXED_INT8_LAYERS), name
 
 

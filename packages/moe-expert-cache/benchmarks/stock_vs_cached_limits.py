@@ -74,6 +74,7 @@ def child(kind: str, model_dir: Path) -> None:
     import mlx_lm
     from mlx_lm.utils import load_tokenizer
 
+    from membound_integration.row import storage_read_bytes
     from moe_expert_cache import CacheConfig, generate, load_cached_model
 
     # Both variants import the same modules first: what the runtime holds before any weight.
@@ -90,9 +91,9 @@ def child(kind: str, model_dir: Path) -> None:
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
-    read = _read_bytes()
+    read = storage_read_bytes()
     result = generate(model, prompt, NEW_TOKENS, manager)
-    read = _read_bytes() - read
+    read = storage_read_bytes() - read
     out = {
         "tokens": result.tokens,
         "text": tokenizer.decode(result.tokens, skip_special_tokens=True).strip(),
@@ -123,14 +124,6 @@ def _rss_anon() -> int:
             if line.startswith(("RssAnon:", "RssShmem:")):
                 total += int(line.split()[1]) * 1024
     return total
-
-
-def _read_bytes() -> int:
-    """Bytes this process's cgroup has read from storage (the budget runner's counter)."""
-    from membound_integration.budget.cgroup import read_bytes_of
-    from membound_integration.budget.runner import IO_COUNTER_ENV
-
-    return read_bytes_of(os.environ.get(IO_COUNTER_ENV))
 
 
 def _parse(stdout: str) -> dict | None:
