@@ -1,14 +1,19 @@
 """The hooks are scoped to their cache: after it is done, the model is exactly as it was."""
 
 import gc
+import inspect
+import warnings
 
 import pytest
 import torch
+import transformers
 from conftest import FAMILIES, VOCAB
+from packaging import version
 from transformers import DynamicCache
 
 import bmrt_kv
 from bmrt_kv import BMRTCache, BMRTConfig, BMRTError, BoundedStream
+from bmrt_kv.hooks import cache_keyword, call_cache
 
 CONFIG = BMRTConfig(budget=12, protection_divisor=3, block_size=4)
 
@@ -170,3 +175,30 @@ def test_wrong_prefill_positions_are_corrected(model):
     full_right = run(DynamicCache(config=model.config), wrong=False)
     full_wrong = run(DynamicCache(config=model.config), wrong=True)
     assert not torch.allclose(full_wrong, full_right, atol=1e-4)
+
+
+def test_the_hooks_find_the_cache_under_either_name():
+    """transformers 5.24 renamed the cache argument from ``past_key_values`` to ``cache``;
+    its decoder layers call attention with ``cache=``, older releases with the old name."""
+    cache = object()
+    assert call_cache({"cache": cache, "position_embeddings": None}) is cache
+    assert call_cache({"past_key_values": cache}) is cache
+    assert call_cache({"cache": None, "past_key_values": cache}) is cache
+    assert call_cache({}) is None
+
+
+def test_cache_keyword_is_the_one_forward_takes(model):
+    keyword = cache_keyword(model)
+    assert keyword in inspect.signature(type(model).forward).parameters
+    renamed = version.parse(transformers.__version__) >= version.parse("5.24")
+    assert keyword == ("cache" if renamed else "past_key_values")
+
+
+def test_the_stream_passes_the_cache_without_deprecation_warnings(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with BoundedStream(model, config=CONFIG) as s:
+            s.feed(list(range(3, 23)))
+            new = s.generate(max_new_tokens=3)
+            held = s.cache.stored_tokens
+    assert len(new) == 3 and max(held) <= 12

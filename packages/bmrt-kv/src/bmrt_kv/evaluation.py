@@ -12,6 +12,7 @@ from torch import nn
 
 from bmrt_kv.config import BMRTConfig
 from bmrt_kv.errors import BMRTError
+from bmrt_kv.hooks import cache_keyword
 from bmrt_kv.stream import BoundedStream
 
 FILLER = (
@@ -119,9 +120,10 @@ def _run_full(model, tokenizer, sample: Sample, block_size: int, max_new_tokens:
 
     ids = tokenizer(sample.context + sample.question, return_tensors="pt").input_ids
     cache = DynamicCache(config=model.config)
+    given = {cache_keyword(model): cache}
     start = time.perf_counter()
     for block in ids.split(block_size, dim=-1):
-        logits = model(input_ids=block, past_key_values=cache, logits_to_keep=1).logits
+        logits = model(input_ids=block, logits_to_keep=1, **given).logits
     prefill = time.perf_counter() - start
     new: list[int] = []
     start = time.perf_counter()
@@ -130,9 +132,7 @@ def _run_full(model, tokenizer, sample: Sample, block_size: int, max_new_tokens:
         new.append(token)
         if token == tokenizer.eos_token_id:
             break
-        logits = model(
-            input_ids=torch.tensor([[token]]), past_key_values=cache, logits_to_keep=1
-        ).logits
+        logits = model(input_ids=torch.tensor([[token]]), logits_to_keep=1, **given).logits
     decode = time.perf_counter() - start
     text = tokenizer.decode(new, skip_special_tokens=True).strip()
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

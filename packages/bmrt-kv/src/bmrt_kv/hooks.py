@@ -4,9 +4,9 @@ The cache sees keys and values in ``update`` but never the queries, and it must 
 compress before the block's own attention has run (later tokens of a block attend to
 earlier ones that may be evicted). Three hooks per attention module bridge that:
 
-1. a forward pre-hook reads ``past_key_values`` and ``position_embeddings`` (cos, sin)
-   from the call's keyword arguments; it arms the module only if the cache is the one
-   that installed the hooks;
+1. a forward pre-hook reads the cache (``cache`` from transformers 5.24, ``past_key_values``
+   before) and ``position_embeddings`` (cos, sin) from the call's keyword arguments; it
+   arms the module only if the cache is the one that installed the hooks;
 2. a forward hook on the query projection (``q_norm`` where the model has one, as Qwen3,
    else ``q_proj``) keeps its output, so the queries are not recomputed;
 3. a forward hook on the attention module, after attention, rotates those queries with
@@ -21,6 +21,7 @@ the model is exactly as it was. They do nothing for forwards with another cache.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 
@@ -33,6 +34,21 @@ from bmrt_kv.rope import apply_rope
 # model -> the attachments living on it, for detach(model). Weak both ways: the registry
 # keeps neither a model nor a cache alive.
 _ATTACHMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def call_cache(kwargs: dict):
+    """The cache a model call was given: transformers 5.24 renamed the keyword argument
+    from ``past_key_values`` to ``cache`` (the old name is still accepted from callers and
+    renamed by the model's forward, after forward pre-hooks have run)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword this transformers release's ``model(...)`` takes the cache by:
+    ``"cache"`` from 5.24, ``"past_key_values"`` before (5.24 still accepts the old name,
+    with a FutureWarning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -114,7 +130,7 @@ def _positions_hook(cache_ref: weakref.ref):
 
     def positions_hook(decoder, args, kwargs):
         cache = cache_ref()
-        if cache is None or kwargs.get("past_key_values") is not cache:
+        if cache is None or call_cache(kwargs) is not cache:
             return None
         positions, cache_positions = kwargs.get("position_ids"), kwargs.get("cache_position")
         if positions is None or cache_positions is None or positions.ndim != 2:
@@ -141,7 +157,7 @@ def _positions_hook(cache_ref: weakref.ref):
 def _pre_hook(cache_ref: weakref.ref, state: dict):
     def pre_hook(attn, args, kwargs):
         state.clear()
-        cache = kwargs.get("past_key_values")
+        cache = call_cache(kwargs)
         if cache is not None and cache is cache_ref():
             cos, sin = kwargs["position_embeddings"]
             state.update(cache=cache, cos=cos, sin=sin, queries=None)

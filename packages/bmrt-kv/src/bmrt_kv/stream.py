@@ -11,6 +11,7 @@ from torch import nn
 from bmrt_kv.cache import BMRTCache
 from bmrt_kv.config import BMRTConfig
 from bmrt_kv.errors import BMRTError
+from bmrt_kv.hooks import cache_keyword
 
 
 @dataclass
@@ -61,6 +62,7 @@ class BoundedStream:
         self.progress = progress
         self.question_ids = self._question_ids(question)
         self.cache = BMRTCache(model, self.config, _question_supplied=self.question_ids is not None)
+        self._cache_keyword = cache_keyword(model)
         self.stats = StreamStats()
         self._next_logits: torch.Tensor | None = None
         # The last generated token: fed (and cached) only if the stream goes on, so a
@@ -123,7 +125,7 @@ class BoundedStream:
         self.cache.scoring_only_tokens = n_question
         try:
             out = self.model(
-                input_ids=block, past_key_values=self.cache, logits_to_keep=n_question + 1
+                input_ids=block, logits_to_keep=n_question + 1, **{self._cache_keyword: self.cache}
             )
         finally:
             self.cache.scoring_only_tokens = 0
@@ -164,7 +166,7 @@ class BoundedStream:
 
     def _decode(self, token: int) -> None:
         ids = torch.tensor([[token]], device=self.model.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache, logits_to_keep=1)
+        out = self.model(input_ids=ids, logits_to_keep=1, **{self._cache_keyword: self.cache})
         self._next_logits = out.logits[0, -1]
 
     def _flush_pending(self) -> None:
