@@ -96,3 +96,46 @@ def test_the_wheel_ships_py_typed():
     from importlib.resources import files
 
     assert files("bmrt_kv").joinpath("py.typed").is_file()
+
+
+def test_eval_runs_the_suites_tasks(tmp_path, capsys):
+    """`bmrt-kv eval --tasks` scores the RULER-style suite's tasks (and the pass key) by
+    exact match, one row per task, length, selector and budget."""
+    import json
+
+    from membound_testing import smollm2_gguf_path
+
+    out = tmp_path / "rows.json"
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(smollm2_gguf_path()),
+            "--tasks",
+            "single_word",
+            "passkey",
+            "--lengths",
+            "1000",
+            "--samples",
+            "1",
+            "--budgets",
+            "256",
+            "--selectors",
+            "keydiff",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())
+    got = {(r["task"], r["selector"], r["budget"]): (r["accuracy"], r["samples"]) for r in rows}
+    assert set(got) == {
+        ("single_word", "full", None),
+        ("single_word", "keydiff", 256),
+        ("passkey", "full", None),
+        ("passkey", "keydiff", 256),
+    }
+    # The full cache answers both tasks at 1k tokens (measured: 2/2 each with 2 samples); a
+    # task wired to the wrong samples or scorer would not.
+    assert got[("single_word", "full", None)] == (1.0, 1)
+    assert got[("passkey", "full", None)] == (1.0, 1)

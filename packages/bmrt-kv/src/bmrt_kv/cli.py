@@ -1,4 +1,5 @@
-"""``bmrt-kv run`` (read a file, answer a question) and ``bmrt-kv eval`` (pass-key retrieval)."""
+"""``bmrt-kv run`` (read a file, answer a question) and ``bmrt-kv eval`` (pass-key retrieval
+and the RULER-style suite's tasks)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from bmrt_kv.config import GRANULARITIES, POSITION_MODES, SCORING_MODES, BMRTConfig
 from bmrt_kv.errors import BMRTError
 from bmrt_kv.selectors import SELECTORS, TIE_BREAKERS
+from bmrt_kv.suite import TASKS
 
 
 def _add_cache_args(parser: argparse.ArgumentParser) -> None:
@@ -160,31 +162,40 @@ def cmd_eval(args) -> int:
     from tqdm.auto import tqdm
 
     from bmrt_kv.evaluation import passkey_samples, run_sample
+    from bmrt_kv.suite import suite_samples
 
     runs = [("full", None, None)] if args.full else []
     runs += [(s, b, _config(args, b, s)) for s in args.selectors for b in args.budgets]
     model, tokenizer = load_model(args.model)
     rows = []
     # One bar over every sample of every run, so its ETA is the whole evaluation's.
-    total = len(args.lengths) * len(runs) * args.samples
+    total = len(args.lengths) * len(args.tasks) * len(runs) * args.samples
     with tqdm(total=total, desc="eval", unit="sample") as bar:
         for n_tokens in args.lengths:
-            samples = passkey_samples(tokenizer, n_tokens, args.samples, args.seed)
-            for name, budget, config in runs:
-                bar.set_postfix_str(f"{name} B={budget} {n_tokens} tok")
-                results = []
-                for sample in samples:
-                    results.append(run_sample(model, tokenizer, sample, config, args.block_size))
-                    bar.update()
-                row = {
-                    "tokens": n_tokens,
-                    "selector": name,
-                    "budget": budget,
-                    "accuracy": sum(r["correct"] for r in results) / len(results),
-                    "samples": len(results),
-                }
-                rows.append(row)
-                tqdm.write(json.dumps(row))
+            suite = [t for t in args.tasks if t != "passkey"]
+            by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, suite)
+            if "passkey" in args.tasks:
+                by_task["passkey"] = passkey_samples(tokenizer, n_tokens, args.samples, args.seed)
+            for task in args.tasks:
+                samples = by_task[task]
+                for name, budget, config in runs:
+                    bar.set_postfix_str(f"{task} {name} B={budget} {n_tokens} tok")
+                    results = []
+                    for sample in samples:
+                        results.append(
+                            run_sample(model, tokenizer, sample, config, args.block_size)
+                        )
+                        bar.update()
+                    row = {
+                        "task": task,
+                        "tokens": n_tokens,
+                        "selector": name,
+                        "budget": budget,
+                        "accuracy": sum(r["correct"] for r in results) / len(results),
+                        "samples": len(results),
+                    }
+                    rows.append(row)
+                    tqdm.write(json.dumps(row))
     if args.out:
         _write_json(Path(args.out), rows)
     return 0
@@ -229,14 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = commands.add_parser(
         "eval",
-        help="pass-key retrieval accuracy (long: every length x selector x budget x sample; "
-        "the bar shows the whole run's ETA)",
+        help="retrieval accuracy, pass key or the RULER-style suite's tasks (long: every "
+        "length x task x selector x budget x sample; the bar shows the whole run's ETA)",
         formatter_class=formatter,
+    )
+    ev.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=("passkey", *TASKS),
+        default=["passkey"],
+        help="passkey, or tasks of the RULER-style suite (bmrt_kv.suite), scored by exact match",
     )
     ev.add_argument(
         "--lengths", type=int, nargs="+", default=[2000, 4000, 7500], help="context tokens"
     )
-    ev.add_argument("--samples", type=int, default=20, help="samples per length")
+    ev.add_argument("--samples", type=int, default=20, help="samples per task and length")
     ev.add_argument(
         "--budgets", type=int, nargs="+", default=[256, 512, 1024], help="B values to try"
     )
