@@ -20,6 +20,7 @@ from moe_expert_cache.manager import ExpertCacheManager
 from moe_expert_cache.model_config import read_model_config
 from moe_expert_cache.moe_blocks import BLOCKS, block_top_k
 from moe_expert_cache.policies import make_policy
+from moe_expert_cache.prefetch import SpeculativePrefetch
 from moe_expert_cache.safetensors_io import FLOAT_DTYPES, TensorInfo
 from moe_expert_cache.slots import ExpertSlots
 
@@ -108,16 +109,20 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
         for i in range(len(found))
     ]
     layers: list[LayerCache] = []
+    prefetch = SpeculativePrefetch() if config.prefetch else None
     for i, ((layer, attr, path), block) in enumerate(zip(found, blocks, strict=True)):
         policy = make_policy(config.policy, sizes[i])
         cache = LayerCache(i, path, store, all_slots[i], policy, config.mode == "skip")
         rows = cache.read_resident()
         for proj in PROJECTIONS:
             cache.projections[proj] = cut_to_slots(getattr(block.switch_mlp, proj), rows[proj])
-        setattr(layer, attr, BLOCKS[type(block)](block, cache))
+        cached_block = BLOCKS[type(block)](block, cache)
+        setattr(layer, attr, cached_block)
+        if prefetch is not None and i > 0:  # the first MoE layer has no previous output
+            prefetch.add(i, layer, cached_block)
         layers.append(cache)
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
-    manager = ExpertCacheManager(layers, config, top_k, vocab_size)
+    manager = ExpertCacheManager(layers, config, top_k, vocab_size, prefetch)
     _begin_each_forward_with(model, manager)
     return manager
 
