@@ -163,3 +163,23 @@ def test_a_warm_start_keeps_prefetch_on(deep):
     warm = load_cached_model(path, config)
     assert max_diff(decode_logits(warm.model, tokens, warm.manager), stock_logits) <= 1e-5
     assert warm.manager.total_metrics().prefetched > 0
+
+
+def test_a_layer_without_the_pre_moe_norm_is_refused_before_anything_changes(deep):
+    from moe_expert_cache.expert_store import ExpertStore
+    from moe_expert_cache.loader import patch_model
+
+    path, _, _ = deep("mixtral")
+    model, _ = load_model(path)
+    del model.layers[2].post_attention_layernorm
+    stock_blocks = [layer.block_sparse_moe for layer in model.layers]
+    store = ExpertStore(path)
+    try:
+        with pytest.raises(ExpertCacheError, match="has no post_attention_layernorm"):
+            patch_model(model, store, CacheConfig(prefetch=True))
+    finally:
+        store.close()
+    assert all(
+        layer.block_sparse_moe is b for layer, b in zip(model.layers, stock_blocks, strict=True)
+    )
+    assert all(type(layer).__name__ == "MixtralDecoderLayer" for layer in model.layers)

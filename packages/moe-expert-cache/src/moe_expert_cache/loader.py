@@ -20,7 +20,7 @@ from moe_expert_cache.manager import ExpertCacheManager
 from moe_expert_cache.model_config import read_model_config
 from moe_expert_cache.moe_blocks import BLOCKS, block_top_k
 from moe_expert_cache.policies import make_policy
-from moe_expert_cache.prefetch import SpeculativePrefetch
+from moe_expert_cache.prefetch import SpeculativePrefetch, check_decoder_layer
 from moe_expert_cache.safetensors_io import FLOAT_DTYPES, TensorInfo
 from moe_expert_cache.slots import ExpertSlots
 
@@ -84,7 +84,7 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
             f"(no layer.mlp.switch_mlp or layer.block_sparse_moe.switch_mlp)"
         )
     blocks = [getattr(layer, attr) for layer, attr, _ in found]
-    for block, (_, _, path) in zip(blocks, found, strict=True):
+    for block, (layer, _, path) in zip(blocks, found, strict=True):
         if type(block) not in BLOCKS:
             names = sorted(c.__name__ for c in BLOCKS)
             raise ExpertCacheError(
@@ -96,6 +96,8 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
             )
         if path not in store.blocks:
             raise ExpertCacheError(f"{path}: no stacked expert tensors in {store.model_dir}")
+        if config.prefetch:
+            check_decoder_layer(layer)
         for proj in PROJECTIONS:
             stock = getattr(block.switch_mlp, proj)
             check_projection(stock, store.blocks[path][proj])

@@ -51,12 +51,8 @@ class SpeculativePrefetch:
     def add(self, index: int, decoder_layer: nn.Module, block: nn.Module) -> None:
         """Prefetch for MoE layer ``index`` (``block``, inside ``decoder_layer``) before the
         decoder layer runs."""
-        norm = getattr(decoder_layer, NORM, None)
-        if not isinstance(norm, nn.Module):
-            raise ExpertCacheError(
-                f"prefetch: {type(decoder_layer).__name__} has no {NORM} before its MoE block"
-            )
-        self.targets[index] = (block.cache, block, norm)
+        check_decoder_layer(decoder_layer)
+        self.targets[index] = (block.cache, block, getattr(decoder_layer, NORM))
         _prefetch_before_each_call(decoder_layer, lambda x: self.start(index, x))
 
     def guess(self, index: int, x: mx.array) -> np.ndarray:
@@ -71,6 +67,14 @@ class SpeculativePrefetch:
         cache = self.targets[index][0]
         if not cache.full:
             cache.start_prefetch(self.guess(index, x), self._executor)
+
+
+def check_decoder_layer(decoder_layer: nn.Module) -> None:
+    """Refuse a decoder layer without the pre-MoE norm the guess applies."""
+    if not isinstance(getattr(decoder_layer, NORM, None), nn.Module):
+        raise ExpertCacheError(
+            f"prefetch: {type(decoder_layer).__name__} has no {NORM} before its MoE block"
+        )
 
 
 _HOOKED_LAYERS: dict[type, type] = {}
