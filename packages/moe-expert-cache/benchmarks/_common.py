@@ -43,9 +43,17 @@ def bench_model(directory: Path, quick: bool) -> tuple[Path, dict]:
 
 
 def write_result(
-    name: str, title: str, columns, rows, targets, notes: str, quick: bool = False
+    name: str,
+    title: str,
+    columns,
+    rows,
+    targets,
+    notes: str,
+    quick: bool = False,
+    command: str = COMMAND,
 ) -> dict:
-    """results/<name>.json through membound's one results writer (atomic), and its table."""
+    """results/<name>.json through membound's one results writer (atomic), and its table.
+    ``command``: what produced it (the package's bench unless a script was run alone)."""
     from membound_testing.results import write_result as write
 
     return write(
@@ -53,7 +61,7 @@ def write_result(
         package="moe-expert-cache",
         name=name,
         title=title,
-        command=COMMAND + (" --quick" if quick else ""),
+        command=command + (" --quick" if quick else ""),
         columns=columns,
         rows=rows,
         targets=targets,

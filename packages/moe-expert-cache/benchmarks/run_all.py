@@ -7,8 +7,10 @@ import sys
 import decode_bench
 import fuzz
 import moefy_quality
+import prefetch_bench
 import real_traces
 import simulator_bench
+from _common import COMMAND
 
 
 def main() -> None:
@@ -17,6 +19,7 @@ def main() -> None:
     real_traces.run(quick)
     simulator_bench.run(quick)
     decode_bench.run(quick)
+    prefetch_bench.run(quick, command=COMMAND)
     fuzz.run(100 if quick else 2000, quick=quick)
 
 

@@ -57,7 +57,7 @@ def test_every_block_is_run_or_marked_as_an_example():
             assert "minute" in block.example_only or "hour" in block.example_only, block.line
         else:
             assert block.lang in ("python", "bash"), (block.line, block.lang)
-    assert len([b for b in blocks(README, "python") if b.example_only is None]) == 4
+    assert len([b for b in blocks(README, "python") if b.example_only is None]) == 5
 
 
 def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
@@ -72,6 +72,11 @@ def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
     assert total.requests == (len(prompt) + 16) * 4 * 30
     assert total.swaps > 0 and total.skipped == 0
     assert manager.resident_expert_bytes() * 2 == manager.all_expert_bytes()
+    # exact mode with prefetch at 25%: the README asserts the stock text; guesses were read
+    # and served requests
+    speculative = namespace["speculative"].manager.total_metrics()
+    assert speculative.requests == total.requests
+    assert speculative.prefetch_used > 0 and speculative.prefetched >= speculative.prefetch_used
     # skip mode with the package's loop, and the warm start from its saved state
     assert len(namespace["result"].tokens) == 16
     assert namespace["fast"].manager.total_metrics().skipped > 0
@@ -79,6 +84,7 @@ def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
     assert namespace["warm"].manager.state()["resident"] == saved["resident"]
     out = namespace["printed"]
     assert "expert bytes resident" in out and "tokens/s" in out
+    assert "prefetched experts used" in out
     assert "refused: " in out and "damaged.json: SHA-256 checksum mismatch" in out
 
 

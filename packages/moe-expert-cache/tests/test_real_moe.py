@@ -97,6 +97,28 @@ def test_exact_mode_equals_stock_on_the_real_moe(real_moe, stock, capacity):
     assert generate(again.model, prompt, NEW_TOKENS, again.manager).tokens == tokens
 
 
+@pytest.mark.parametrize("capacity", [0.25, 0.5])
+def test_prefetch_keeps_exact_mode_exact_on_the_real_moe(real_moe, stock, capacity):
+    """The next layer's router on the previous layer's output guesses right often enough
+    on real routing to serve requests, and the output stays the stock model's."""
+    prompt, tokens, stock_logits = stock
+    plain = load_cached_model(real_moe, CacheConfig(capacity=capacity, mode="exact"))
+    teacher_forced(plain.model, prompt, tokens, plain.manager)
+    cached = load_cached_model(real_moe, CacheConfig(capacity=capacity, prefetch=True))
+    logits = teacher_forced(cached.model, prompt, tokens, cached.manager)
+    assert (
+        max(float(np.abs(a - b).max()) for a, b in zip(logits, stock_logits, strict=True)) <= 1e-5
+    )
+    total, without = cached.manager.total_metrics(), plain.manager.total_metrics()
+    # Most prefetched experts are asked for (the recall real_traces.py measures offline).
+    assert total.prefetch_used > total.prefetched / 2
+    assert total.hits > without.hits and total.swaps == without.swaps
+    assert cached.manager.state() == plain.manager.state()
+    assert cached.manager.resident_expert_bytes() == 30 * round(capacity * 16) * (3 * 96 * 576 * 4)
+    again = load_cached_model(real_moe, CacheConfig(capacity=capacity, prefetch=True))
+    assert generate(again.model, prompt, NEW_TOKENS, again.manager).tokens == tokens
+
+
 def test_moefy_refuses_bad_settings_and_leaves_nothing(tmp_path, real_moe):
     with pytest.raises(ValueError, match="top_k"):
         MoefyConfig(num_experts=4, top_k=5)

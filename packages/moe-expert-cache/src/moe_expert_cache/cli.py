@@ -72,13 +72,21 @@ def _profiled(config: CacheConfig, trace: RouterTrace, args) -> CacheConfig:
     if args.pin_share is not None:
         pins = pinned_experts(trace, args.pin_share)
         pinned = {i: pins[i][: caps[i] - trace.top_k] for i in range(trace.num_layers)}
-    return CacheConfig(capacity=caps, mode=config.mode, policy=config.policy, pinned=pinned)
+    return CacheConfig(
+        capacity=caps,
+        mode=config.mode,
+        policy=config.policy,
+        pinned=pinned,
+        prefetch=config.prefetch,
+    )
 
 
 def cmd_generate(args) -> int:
     if (args.pin_share is not None or args.adaptive) and not args.profile:
         raise ExpertCacheError("--pin-share and --adaptive need --profile")
-    config = CacheConfig(capacity=args.capacity, mode=args.mode, policy=args.policy)
+    config = CacheConfig(
+        capacity=args.capacity, mode=args.mode, policy=args.policy, prefetch=args.prefetch
+    )
     if args.profile:
         config = _profiled(config, RouterTrace.load(args.profile), args)
     if args.state_in:
@@ -102,6 +110,9 @@ def cmd_generate(args) -> int:
         f"hit rate: {total.hit_rate:.4f} ({total.hits}/{total.requests}), "
         f"swaps: {total.swaps}, bytes read: {total.bytes_read}"
     )
+    print(f"stall on expert loads: {total.stall_s * 1e3:.1f} ms")
+    if config.prefetch:
+        print(f"prefetched: {total.prefetched} experts, {total.prefetch_used} used")
     for layer, m in zip(cached.manager.layers, cached.manager.metrics(), strict=True):
         print(f"  layer {layer.index}: {m.to_dict()}")
     if args.trace_out:
@@ -145,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--policy", choices=sorted(POLICIES), default=CacheConfig.policy, help="eviction policy"
+    )
+    g.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="exact mode: read each MoE layer's guessed experts during its attention",
     )
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text (needs a tokenizer in the model directory)")

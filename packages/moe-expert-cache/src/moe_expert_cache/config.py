@@ -32,6 +32,10 @@ class CacheConfig:
     (``None``: no limit). ``num_experts`` / ``top_k``: when set (a warm start from a saved
     state, see :func:`moe_expert_cache.config_from_state`), the model must have exactly
     these experts per MoE layer and this top-k.
+    ``prefetch``: speculative prefetch (exact mode only, see
+    :mod:`moe_expert_cache.prefetch`): before each MoE layer after the first runs its
+    attention, its router is applied to its input and the guessed experts that are not
+    resident are read on a background thread. The output stays the stock model's.
     """
 
     capacity: float | int | Sequence[int] = 0.5
@@ -43,10 +47,20 @@ class CacheConfig:
     max_swaps_per_layer: int | None = None
     num_experts: Sequence[int] | None = None
     top_k: int | None = None
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ExpertCacheError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.prefetch, (bool, np.bool_)):
+            raise ExpertCacheError(f"prefetch must be True or False, got {self.prefetch!r}")
+        self.prefetch = bool(self.prefetch)
+        if self.prefetch and self.mode != "exact":
+            # Skip mode never waits for the router's choice; taking the guess would.
+            raise ExpertCacheError(
+                f"prefetch=True needs mode='exact' (skip mode never waits for a load), "
+                f"got mode={self.mode!r}"
+            )
         if self.policy not in POLICIES:
             raise ExpertCacheError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         c = self.capacity

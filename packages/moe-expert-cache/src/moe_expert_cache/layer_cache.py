@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from concurrent.futures import Executor, Future
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -23,8 +25,15 @@ if TYPE_CHECKING:
 class LayerMetrics:
     """Counters of one layer. A request is one (token, expert) pair the router chose.
 
-    ``skipped``: misses computed without their expert (skip mode). ``swaps``: experts
-    loaded into a slot after the initial fill; ``bytes_read``: the bytes those loads read.
+    ``hits``: requests whose expert was resident, or read ahead by the speculative
+    prefetch, when the layer computed; ``misses``: the others (each waited for its read, or
+    was skipped). ``skipped``: misses computed without their expert (skip mode).
+    ``swaps``: experts loaded into a slot after the initial fill; ``bytes_read``: the bytes
+    read from the shards for them and for prefetched experts that were not used.
+    ``prefetched``: experts read ahead by the speculative prefetch; ``prefetch_used``: of
+    those, the ones loaded into a slot (the layer asked for them). ``stall_s``: seconds the
+    forward spent on expert loads (reads done in the forward, waits for the prefetch,
+    slot writes); a timing, so not compared when two metrics are compared.
     """
 
     requests: int = 0
@@ -33,6 +42,9 @@ class LayerMetrics:
     skipped: int = 0
     swaps: int = 0
     bytes_read: int = 0
+    prefetched: int = 0
+    prefetch_used: int = 0
+    stall_s: float = field(default=0.0, compare=False)
 
     @property
     def hit_rate(self) -> float:
@@ -67,6 +79,7 @@ class LayerCache:
         self.projections: dict[str, nn.Module] = {}  # SwitchLinear / QuantizedSwitchLinear
         self.buffer: list[tuple[mx.array | np.ndarray, mx.array | np.ndarray | None]] = []
         self.tokens_seen = 0
+        self._prefetch: Future | None = None
         self._refresh_tables()
 
     @property
@@ -89,11 +102,18 @@ class LayerCache:
             for proj in rows[0]
         }
 
-    def swap_in(self, swaps: list[tuple[int, int, int]]) -> None:
-        """Load each ``(slot, evicted, loaded)`` expert from disk into its slot."""
+    def swap_in(self, swaps: list[tuple[int, int, int]], staged: dict | None = None) -> None:
+        """Load each ``(slot, evicted, loaded)`` expert into its slot: from ``staged``
+        (expert -> rows read ahead by the prefetch; used entries are removed) or from disk."""
         if not swaps:
             return
-        loaded = [self.store.read_expert(self.block_path, e) for _, _, e in swaps]
+        start = time.perf_counter()
+        staged = {} if staged is None else staged
+        used = sum(e in staged for _, _, e in swaps)
+        loaded = [
+            staged.pop(e) if e in staged else self.store.read_expert(self.block_path, e)
+            for _, _, e in swaps
+        ]
         slot_ids = [s for s, _, _ in swaps]
         for proj, module in self.projections.items():
             write_slots(
@@ -101,16 +121,19 @@ class LayerCache:
             )
         self.slots.apply(swaps)
         self.metrics.swaps += len(swaps)
-        self.metrics.bytes_read += len(swaps) * self.expert_nbytes
+        self.metrics.prefetch_used += used
+        self.metrics.bytes_read += (len(swaps) - used) * self.expert_nbytes
         self._refresh_tables()
+        self.metrics.stall_s += time.perf_counter() - start
 
     def record(self, indices: mx.array | np.ndarray, hit: mx.array | np.ndarray | None) -> None:
         """Buffer one forward's router choices ``indices`` (N, k) and their ``hit`` (N, k)
         bool, ``None`` when every expert was resident."""
         self.buffer.append((indices, hit))
 
-    def ensure_resident(self, indices: np.ndarray) -> None:
-        """Exact mode: load every expert ``indices`` (N, k) needs, before the layer computes."""
+    def ensure_resident(self, indices: np.ndarray, staged: dict | None = None) -> None:
+        """Exact mode: load every expert ``indices`` (N, k) needs, before the layer computes;
+        ``staged``: rows read ahead by the prefetch (see :meth:`swap_in`)."""
         counts = Counter(int(e) for e in indices.ravel())
         wanted = [e for e, _ in counts.most_common() if not self.slots.is_resident(e)]
         swaps = self.slots.plan(wanted, counts, self.policy, self.tokens_seen)
@@ -119,7 +142,39 @@ class LayerCache:
                 f"layer {self.index}: {len(wanted)} missing experts but only "
                 f"{len(swaps)} evictable slots (capacity {self.slots.capacity})"
             )
-        self.swap_in(swaps)
+        self.swap_in(swaps, staged)
+
+    def start_prefetch(self, guessed: np.ndarray, executor: Executor) -> list[int]:
+        """Start reading, on ``executor``, the experts of the guess ``guessed`` (N, k) int
+        that are not resident: the most guessed first, at most ``top_k`` of them. Returns
+        them. Nothing is evicted: :meth:`take_prefetched` hands the rows to the layer.
+        """
+        self.take_prefetched()  # a guess left by an interrupted forward is dropped
+        counts = Counter(int(e) for e in guessed.ravel())
+        wanted = [e for e, _ in counts.most_common() if not self.slots.is_resident(e)]
+        wanted = wanted[: self.slots.top_k]
+        if wanted:
+            self.metrics.prefetched += len(wanted)
+            self.metrics.bytes_read += len(wanted) * self.expert_nbytes
+            self._prefetch = executor.submit(self._read_experts, wanted)
+        return wanted
+
+    def _read_experts(self, experts: list[int]) -> dict[int, dict]:
+        return {e: self.store.read_expert(self.block_path, e) for e in experts}
+
+    def take_prefetched(self) -> dict[int, dict[str, dict[str, mx.array]]]:
+        """Wait for the prefetch started for this layer (the wait counts as stall time) and
+        return its rows, expert -> ``{proj: {param: row}}``, of the experts still not
+        resident; ``{}`` when none was started. A failed read raises here."""
+        future, self._prefetch = self._prefetch, None
+        if future is None:
+            return {}
+        start = time.perf_counter()
+        try:
+            staged = future.result()
+        finally:
+            self.metrics.stall_s += time.perf_counter() - start
+        return {e: rows for e, rows in staged.items() if not self.slots.is_resident(e)}
 
     def token_groups(self, indices: np.ndarray) -> list[tuple[int, int]]:
         """Consecutive token ranges whose experts fit the cache together (exact mode).

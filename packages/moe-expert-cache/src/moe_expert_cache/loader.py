@@ -20,6 +20,7 @@ from moe_expert_cache.manager import ExpertCacheManager
 from moe_expert_cache.model_config import read_model_config
 from moe_expert_cache.moe_blocks import BLOCKS, block_top_k
 from moe_expert_cache.policies import make_policy
+from moe_expert_cache.prefetch import SpeculativePrefetch, check_decoder_layer
 from moe_expert_cache.safetensors_io import FLOAT_DTYPES, TensorInfo
 from moe_expert_cache.slots import ExpertSlots
 
@@ -83,7 +84,7 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
             f"(no layer.mlp.switch_mlp or layer.block_sparse_moe.switch_mlp)"
         )
     blocks = [getattr(layer, attr) for layer, attr, _ in found]
-    for block, (_, _, path) in zip(blocks, found, strict=True):
+    for block, (layer, _, path) in zip(blocks, found, strict=True):
         if type(block) not in BLOCKS:
             names = sorted(c.__name__ for c in BLOCKS)
             raise ExpertCacheError(
@@ -95,6 +96,8 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
             )
         if path not in store.blocks:
             raise ExpertCacheError(f"{path}: no stacked expert tensors in {store.model_dir}")
+        if config.prefetch:
+            check_decoder_layer(layer)
         for proj in PROJECTIONS:
             stock = getattr(block.switch_mlp, proj)
             check_projection(stock, store.blocks[path][proj])
@@ -108,16 +111,20 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
         for i in range(len(found))
     ]
     layers: list[LayerCache] = []
+    prefetch = SpeculativePrefetch() if config.prefetch else None
     for i, ((layer, attr, path), block) in enumerate(zip(found, blocks, strict=True)):
         policy = make_policy(config.policy, sizes[i])
         cache = LayerCache(i, path, store, all_slots[i], policy, config.mode == "skip")
         rows = cache.read_resident()
         for proj in PROJECTIONS:
             cache.projections[proj] = cut_to_slots(getattr(block.switch_mlp, proj), rows[proj])
-        setattr(layer, attr, BLOCKS[type(block)](block, cache))
+        cached_block = BLOCKS[type(block)](block, cache)
+        setattr(layer, attr, cached_block)
+        if prefetch is not None and i > 0:  # the first MoE layer has no previous output
+            prefetch.add(i, layer, cached_block)
         layers.append(cache)
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
-    manager = ExpertCacheManager(layers, config, top_k, vocab_size)
+    manager = ExpertCacheManager(layers, config, top_k, vocab_size, prefetch)
     _begin_each_forward_with(model, manager)
     return manager
 

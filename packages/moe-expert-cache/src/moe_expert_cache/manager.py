@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -12,6 +14,9 @@ from moe_expert_cache.config import CacheConfig
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.layer_cache import LayerCache, LayerMetrics
 from moe_expert_cache.trace import RouterTrace
+
+if TYPE_CHECKING:
+    from moe_expert_cache.prefetch import SpeculativePrefetch
 
 STATE_FORMAT, STATE_VERSION = "moe-expert-cache-state", 2
 STATE_KEYS = ("num_experts", "pinned", "resident", "top_k")
@@ -32,9 +37,11 @@ class ExpertCacheManager:
         config: CacheConfig,
         top_k: int,
         vocab_size: int | None = None,
+        prefetch: SpeculativePrefetch | None = None,
     ):
         self.layers, self.config, self.top_k = layers, config, top_k
         self.vocab_size = vocab_size
+        self.prefetch = prefetch  # the speculative prefetch, when config.prefetch
         self._trace: RouterTrace | None = None
 
     @property
@@ -99,7 +106,7 @@ class ExpertCacheManager:
     def total_metrics(self) -> LayerMetrics:
         total = LayerMetrics()
         for m in self.metrics():
-            for name in ("requests", "hits", "misses", "skipped", "swaps", "bytes_read"):
+            for name in (f.name for f in fields(LayerMetrics)):
                 setattr(total, name, getattr(total, name) + getattr(m, name))
         return total
 
@@ -202,4 +209,5 @@ def config_from_state(config: CacheConfig, state: dict) -> CacheConfig:
         max_swaps_per_layer=config.max_swaps_per_layer,
         num_experts=state["num_experts"],
         top_k=state["top_k"],
+        prefetch=config.prefetch,
     )

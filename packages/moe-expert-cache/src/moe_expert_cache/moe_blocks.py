@@ -90,12 +90,18 @@ class CachedMoeBlock(nn.Module):
         matmuls stay lazy unless the tokens need more experts than fit at once."""
         cache = self.cache
         idx = np.array(inds)  # (N, k)
+        # Rows read ahead by the speculative prefetch; the experts that were not asked for
+        # are dropped below, so a wrong guess costs its read and evicts nothing.
+        staged = cache.take_prefetched()
         groups = cache.token_groups(idx)
         outs = []
         for start, end in groups:
             part = idx[start:end]
-            cache.record(part, cache.slots.expert_to_slot[part] >= 0)
-            cache.ensure_resident(part)
+            hit = cache.slots.expert_to_slot[part] >= 0
+            if staged:
+                hit |= np.isin(part, list(staged))
+            cache.record(part, hit)
+            cache.ensure_resident(part, staged)
             y = self.switch_mlp(x[start:end], cache.lookup[inds[start:end]])
             if len(groups) > 1:
                 # The next group's swaps replace the stacks; finish this one with them first.
