@@ -203,7 +203,7 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
         f"cache warm) takes {one_read * 1e3:.3f} ms (median of {20 if quick else 200}). "
         "Shards in the OS page cache, so a read is a memory copy, not a disk read. "
         f"mlx[cpu] {mx.__version__}. 1-minute load average {load_start[0]:.2f} at the start, "
-        f"{load_end[0]:.2f} at the end: other jobs shared the 2 cores, timings are under load."
+        f"{load_end[0]:.2f} at the end (2 cores)."
     )
     result = write_result(
         "prefetch",
