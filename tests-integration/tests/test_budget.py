@@ -5,6 +5,7 @@ cgroup v1 or v2): where none can be made, they fail with the runner's reason rat
 skip, since the runner is what is under test.
 """
 
+import os
 import sys
 
 import pytest
@@ -50,6 +51,13 @@ def test_a_mapped_file_larger_than_the_limit_is_read_under_it(tmp_path):
     with open(big, "wb") as f:
         for _ in range(320):
             f.write(b"\x01" * MiB)
+        # Written back and evicted here too, not only by the runner's drop (sync, then
+        # drop_caches): one fresh-clone run counted read_bytes 0 for this file, which 9
+        # reruns did not reproduce; the cause was not found, and the file's own pages
+        # still in the page cache is the one this rules out.
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     code = (
         "import mmap, sys\n"
         f"f = open({str(big)!r}, 'rb')\n"
@@ -63,7 +71,7 @@ def test_a_mapped_file_larger_than_the_limit_is_read_under_it(tmp_path):
     assert result.peak_file_mapped + result.peak_anon < 128 * MiB
     # The page cache was dropped first, so the file came from the disk.
     if result.cache_note is None:
-        assert result.read_bytes >= 320 * MiB
+        assert result.read_bytes >= 320 * MiB, result
 
 
 def test_read_throttle_bounds_the_read_rate(tmp_path):
