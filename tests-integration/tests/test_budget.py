@@ -52,9 +52,9 @@ def test_a_mapped_file_larger_than_the_limit_is_read_under_it(tmp_path):
         for _ in range(320):
             f.write(b"\x01" * MiB)
         # Written back and evicted here too, not only by the runner's drop (sync, then
-        # drop_caches): one fresh-clone run counted read_bytes 0 for this file, which 9
-        # reruns did not reproduce; the cause was not found, and the file's own pages
-        # still in the page cache is the one this rules out.
+        # drop_caches), so the read below must come from the disk. The one run that counted
+        # read_bytes 0 here was the first after boot, before any throttled run: v1 counts
+        # reads only once a throttle rule was written (cgroup._count_reads_v1).
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
