@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from moe_expert_cache.config import MODES, CacheConfig
@@ -72,13 +73,7 @@ def _profiled(config: CacheConfig, trace: RouterTrace, args) -> CacheConfig:
     if args.pin_share is not None:
         pins = pinned_experts(trace, args.pin_share)
         pinned = {i: pins[i][: caps[i] - trace.top_k] for i in range(trace.num_layers)}
-    return CacheConfig(
-        capacity=caps,
-        mode=config.mode,
-        policy=config.policy,
-        pinned=pinned,
-        prefetch=config.prefetch,
-    )
+    return replace(config, capacity=caps, pinned=pinned)
 
 
 def cmd_generate(args) -> int:

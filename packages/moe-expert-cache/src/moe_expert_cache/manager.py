@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -199,15 +199,11 @@ def read_state(path: str | Path) -> dict:
 def config_from_state(config: CacheConfig, state: dict) -> CacheConfig:
     """``config`` warm-started from ``state``: same capacities, residents and pins (the
     model must have the state's experts per layer and top-k)."""
-    return CacheConfig(
+    return replace(
+        config,
         capacity=[len(r) for r in state["resident"]],
-        mode=config.mode,
-        policy=config.policy,
         pinned=dict(enumerate(state["pinned"])),
         initial=dict(enumerate(state["resident"])),
-        max_layer_updates=config.max_layer_updates,
-        max_swaps_per_layer=config.max_swaps_per_layer,
         num_experts=state["num_experts"],
         top_k=state["top_k"],
-        prefetch=config.prefetch,
     )
