@@ -8,6 +8,7 @@ import decode_bench
 import fuzz
 import moefy_quality
 import prefetch_bench
+import real_decode
 import real_traces
 import simulator_bench
 from _common import COMMAND
@@ -20,6 +21,7 @@ def main() -> None:
     simulator_bench.run(quick)
     decode_bench.run(quick)
     prefetch_bench.run(quick, command=COMMAND)
+    real_decode.run(quick, command=COMMAND)
     fuzz.run(100 if quick else 2000, quick=quick)
 
 

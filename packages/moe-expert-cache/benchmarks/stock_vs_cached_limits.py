@@ -19,8 +19,16 @@ completed or killed, decode tokens/s, peak anonymous and file-backed memory apar
 
     hatch run python packages/moe-expert-cache/benchmarks/stock_vs_cached_limits.py
 
+Every variant also runs with the embedding table left in the mmap'd shard
+(``CacheConfig(map_embeddings=True)``).
+
 Needs root (cgroups). Runs in the default environment, which holds the budget runner and
-this package; the children run in the same interpreter.
+this package. The children run, by default, in a fresh venv that holds what an MLX user
+installs, this package and mlx-lm (with the default environment's mlx, mlx-lm and
+transformers versions) and no torch: in membound's environments ``import mlx_lm`` imports
+transformers, which imports torch because it is installed, and torch's 127 MiB of
+anonymous memory would count against every limit. ``--runtime dev`` runs the children in
+the default environment's interpreter instead.
 """
 
 from __future__ import annotations
@@ -41,11 +49,14 @@ sys.path.insert(0, str(HERE))
 QUESTION = "What is the capital of France?"  # the demo's question (membound_integration.row)
 NEW_TOKENS = 24  # as the demo's MoE row
 STOCK = "stock mlx-lm (mlx_lm.load, every expert resident)"
-VARIANTS = {  # row -> child argument: "stock" or the cached model's capacity
+MAPPED = ", embedding mapped"
+VARIANTS = {  # row -> child argument: "stock", or the cached model's capacity (+ "m": mapped)
     STOCK: "stock",
     "cached, exact, 50% of experts resident": "0.5",
     # 6 of 16: the smallest capacity top-6 routing allows (25% would be 4 experts).
     "cached, exact, 37.5% of experts resident": "0.375",
+    f"cached, exact, 50% of experts resident{MAPPED}": "0.5m",
+    f"cached, exact, 37.5% of experts resident{MAPPED}": "0.375m",
 }
 MiB, MB = 2**20, 10**6
 # The budget runner's tight profile is 480 MiB with 200 MB/s reads for the plain SmolLM2
@@ -74,6 +85,8 @@ def child(kind: str, model_dir: Path) -> None:
     import mlx_lm
     from mlx_lm.utils import load_tokenizer
 
+    # The budget runner's read counter; the MLX user's venv has no membound_integration.
+    sys.path.append(str(HERE.parents[2] / "tests-integration" / "src"))
     from membound_integration.row import storage_read_bytes
     from moe_expert_cache import CacheConfig, generate, load_cached_model
 
@@ -84,7 +97,10 @@ def child(kind: str, model_dir: Path) -> None:
         model, tokenizer = mlx_lm.load(str(model_dir))
         manager = None
     else:
-        cached = load_cached_model(model_dir, CacheConfig(capacity=float(kind), mode="exact"))
+        config = CacheConfig(
+            capacity=float(kind.removesuffix("m")), mode="exact", map_embeddings=kind.endswith("m")
+        )
+        cached = load_cached_model(model_dir, config)
         model, manager = cached.model, cached.manager
         tokenizer = load_tokenizer(model_dir)
     load_s = time.perf_counter() - start
@@ -104,6 +120,7 @@ def child(kind: str, model_dir: Path) -> None:
         "import_anon_bytes": import_anon,
         "mlx_active_bytes": mx.get_active_memory(),  # MLX's own buffers: the weights, the KV
         "mlx_peak_bytes": mx.get_peak_memory(),
+        "torch_imported": "torch" in sys.modules,
     }
     if manager is not None:
         total = manager.total_metrics()
@@ -114,6 +131,25 @@ def child(kind: str, model_dir: Path) -> None:
             "all_expert_bytes": manager.all_expert_bytes(),
         }
     print(json.dumps(out), flush=True)
+
+
+def mlx_user_venv(root: Path) -> Path:
+    """A venv under ``root`` holding this package and mlx-lm, at the default environment's
+    mlx, mlx-lm and transformers versions, and no torch. Returns its python."""
+    import subprocess
+    import venv
+    from importlib.metadata import version
+
+    venv.create(root, with_pip=True)
+    python = root / "bin" / "python"
+    pins = [f"{name}=={version(name)}" for name in ("mlx", "mlx-lm", "transformers")]
+    package = HERE.parent  # packages/moe-expert-cache, built and installed as a wheel
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-compile", str(package), *pins], check=True
+    )
+    probe = "import importlib.util as u; assert u.find_spec('torch') is None, 'torch installed'"
+    subprocess.run([python, "-c", probe], check=True)
+    return python
 
 
 def _rss_anon() -> int:
@@ -240,6 +276,13 @@ def main(argv=None) -> None:
         default=list(VARIANTS.values()),
         help="variants: stock, or a cached capacity (stock always runs: its tokens are expected)",
     )
+    parser.add_argument(
+        "--runtime",
+        choices=("mlx-user", "dev"),
+        default="mlx-user",
+        help="where the children run: a venv with only this package and mlx-lm (no torch), "
+        "or this interpreter",
+    )
     parser.add_argument("--resolution", type=int, default=16, help="bisection step, MiB")
     parser.add_argument("--no-bisect", action="store_true", help="profile runs only")
     parser.add_argument("--rounds", type=int, default=3, help="unlimited runs per variant")
@@ -270,9 +313,12 @@ def main(argv=None) -> None:
     device = block_device_of(model_dir)
     rows = [STOCK] + [r for r, kind in VARIANTS.items() if kind in args.rows and r != STOCK]
     script = str(Path(__file__).resolve())
-    commands = {
-        row: [sys.executable, script, "--child", VARIANTS[row], str(model_dir)] for row in rows
-    }
+    python = sys.executable
+    if args.runtime == "mlx-user":
+        import tempfile
+
+        python = str(mlx_user_venv(Path(tempfile.mkdtemp(prefix="moe-mlx-user-")) / "venv"))
+    commands = {row: [python, script, "--child", VARIANTS[row], str(model_dir)] for row in rows}
     raw = {
         "setup": {
             "model": model_dir.name,
@@ -281,6 +327,7 @@ def main(argv=None) -> None:
             "sized_mib": sized_mib,
             "resolution_mib": args.resolution,
             "rounds": args.rounds,
+            "runtime": args.runtime,
             "load_start": os.getloadavg()[0],
             "mlx": _mlx_version(),
             "machine": machine_info(),  # the table's stamp: when measured, not rendered
@@ -459,8 +506,23 @@ def _notes(setup: dict, runs: dict) -> str:
         f"profile runs time out at {PROFILE_TIMEOUT:.0f} s. Without a limit: "
         + "; ".join(parts)
         + f". Every try: {json.dumps(tries)}. 1-minute load average "
-        f"{min(loads):.2f}-{max(loads):.2f} during the runs (2 cores shared with other jobs)."
+        f"{min(loads):.2f}-{max(loads):.2f} during the runs. " + _runtime_note(setup, runs)
     )
+
+
+def _runtime_note(setup: dict, runs: dict) -> str:
+    torch = sorted(
+        {r for r, e in runs.items() if e["unlimited"].get("answer", {}).get("torch_imported")}
+    )
+    if setup.get("runtime", "dev") == "dev":
+        where = "The children ran in membound's default environment (torch installed)."
+    else:
+        where = (
+            "The children ran in a fresh venv holding only moe-expert-cache and mlx-lm (at the "
+            "default environment's mlx, mlx-lm and transformers versions), no torch, as an "
+            "MLX user installs them."
+        )
+    return where + (f" torch was imported by: {', '.join(torch)}." if torch else "")
 
 
 def _mlx_version() -> str:

@@ -57,7 +57,7 @@ def test_every_block_is_run_or_marked_as_an_example():
             assert "minute" in block.example_only or "hour" in block.example_only, block.line
         else:
             assert block.lang in ("python", "bash"), (block.line, block.lang)
-    assert len([b for b in blocks(README, "python") if b.example_only is None]) == 5
+    assert len([b for b in blocks(README, "python") if b.example_only is None]) == 6
 
 
 def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
@@ -86,6 +86,7 @@ def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
     assert "expert bytes resident" in out and "tokens/s" in out
     assert "prefetched experts used" in out
     assert "refused: " in out and "damaged.json: SHA-256 checksum mismatch" in out
+    assert "refused: map_embeddings needs an untied lm_head" in out  # the tied top-4 build
 
 
 def test_cli_block_runs_in_a_shell(namespace, workdir):

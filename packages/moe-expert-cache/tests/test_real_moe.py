@@ -154,12 +154,15 @@ def test_the_shared_expert_build_is_a_qwen2_moe_that_answers_in_words(real_share
     assert text.startswith("The capital of France is"), text
 
 
-def test_exact_mode_equals_stock_on_the_shared_expert_build(real_shared_moe):
+@pytest.mark.parametrize("map_embeddings", [False, True])
+def test_exact_mode_equals_stock_on_the_shared_expert_build(real_shared_moe, map_embeddings):
+    """Also with the embedding table left in the shard (the demo's MoE is untied)."""
     model, _ = load_model(real_shared_moe)
     prompt = chat_ids(real_shared_moe)
     tokens = generate(model, prompt, NEW_TOKENS).tokens
     stock_logits = teacher_forced(model, prompt, tokens)
-    cached = load_cached_model(real_shared_moe, CacheConfig(capacity=0.5, mode="exact"))
+    config = CacheConfig(capacity=0.5, mode="exact", map_embeddings=map_embeddings)
+    cached = load_cached_model(real_shared_moe, config)
     logits = teacher_forced(cached.model, prompt, tokens, cached.manager)
     assert (
         max(float(np.abs(a - b).max()) for a, b in zip(logits, stock_logits, strict=True)) <= 1e-5

@@ -80,7 +80,11 @@ def cmd_generate(args) -> int:
     if (args.pin_share is not None or args.adaptive) and not args.profile:
         raise ExpertCacheError("--pin-share and --adaptive need --profile")
     config = CacheConfig(
-        capacity=args.capacity, mode=args.mode, policy=args.policy, prefetch=args.prefetch
+        capacity=args.capacity,
+        mode=args.mode,
+        policy=args.policy,
+        prefetch=args.prefetch,
+        map_embeddings=args.map_embeddings,
     )
     if args.profile:
         config = _profiled(config, RouterTrace.load(args.profile), args)
@@ -156,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefetch",
         action="store_true",
         help="exact mode: read each MoE layer's guessed experts during its attention",
+    )
+    g.add_argument(
+        "--map-embeddings",
+        action="store_true",
+        help="leave the input embedding table in the mmap'd shard (untied float tables)",
     )
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text (needs a tokenizer in the model directory)")

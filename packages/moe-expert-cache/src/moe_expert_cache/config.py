@@ -36,6 +36,10 @@ class CacheConfig:
     :mod:`moe_expert_cache.prefetch`): before each MoE layer after the first runs its
     attention, its router is applied to its input and the guessed experts that are not
     resident are read on a background thread. The output stays the stock model's.
+    ``map_embeddings``: leave the input embedding table in the mmap'd shard and copy out
+    only each forward's rows (see :mod:`moe_expert_cache.mapped_embedding`): file-backed
+    memory a hard limit can evict, instead of the whole table in MLX's anonymous buffers.
+    Needs an untied float embedding; the output stays the stock model's.
     """
 
     capacity: float | int | Sequence[int] = 0.5
@@ -48,13 +52,16 @@ class CacheConfig:
     num_experts: Sequence[int] | None = None
     top_k: int | None = None
     prefetch: bool = False
+    map_embeddings: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ExpertCacheError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.prefetch, (bool, np.bool_)):
-            raise ExpertCacheError(f"prefetch must be True or False, got {self.prefetch!r}")
-        self.prefetch = bool(self.prefetch)
+        for name in ("prefetch", "map_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ExpertCacheError(f"{name} must be True or False, got {v!r}")
+            setattr(self, name, bool(v))
         if self.prefetch and self.mode != "exact":
             # Skip mode never waits for the router's choice; taking the guess would.
             raise ExpertCacheError(

@@ -95,13 +95,19 @@ class ExpertStore:
             )
         return self.blocks[block]
 
-    def non_expert_weights(self) -> dict[str, mx.array]:
-        """Every tensor that is not an expert tensor, read whole (materialised)."""
+    def non_expert_weights(self, skip: tuple[str, ...] = ()) -> dict[str, mx.array]:
+        """Every tensor that is not an expert tensor (nor named in ``skip``), read whole
+        (materialised)."""
         return {
             name: self._shards[info.shard].read(info, crc32=self._crc(info))
             for name, info in self._infos.items()
-            if not _EXPERT_KEY.match(name)
+            if not _EXPERT_KEY.match(name) and name not in skip
         }
+
+    def tensor(self, name: str) -> tuple[TensorInfo, SafetensorsShard, int | None] | None:
+        """``(info, shard, crc32 or None)`` of tensor ``name``, or ``None`` if no shard has it."""
+        info = self._infos.get(name)
+        return None if info is None else (info, self._shards[info.shard], self._crc(info))
 
     def read_expert(self, block: str, expert: int) -> dict[str, dict[str, mx.array]]:
         """Expert ``expert`` of ``block``: ``{proj: {param: array of shape info.shape[1:]}}``.

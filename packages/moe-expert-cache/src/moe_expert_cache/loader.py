@@ -17,6 +17,7 @@ from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.expert_store import PROJECTIONS, ExpertStore
 from moe_expert_cache.layer_cache import LayerCache
 from moe_expert_cache.manager import ExpertCacheManager
+from moe_expert_cache.mapped_embedding import EMBEDDING_KEY, map_embedding
 from moe_expert_cache.model_config import read_model_config
 from moe_expert_cache.moe_blocks import BLOCKS, block_top_k
 from moe_expert_cache.policies import make_policy
@@ -186,8 +187,9 @@ def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) 
     """Load ``model_dir`` (mlx-lm layout: ``config.json`` + ``model*.safetensors``) with
     only ``config.capacity`` experts per MoE layer resident.
 
-    Non-expert weights are read and materialised; expert tensors are read one expert at a
-    time by byte range. Raises ``FileNotFoundError`` for a missing directory or shard and
+    Non-expert weights are read and materialised (except the input embedding table with
+    ``config.map_embeddings``, which stays in the shard's memory map); expert tensors are
+    read one expert at a time by byte range. Raises ``FileNotFoundError`` for a missing directory or shard and
     :class:`ExpertCacheError` (a ``ValueError``) for a damaged or inconsistent shard or
     ``config.json``, a model without MoE layers or a bad capacity.
     """
@@ -217,7 +219,11 @@ def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: CacheConf
             f"{cfg_path}: mlx-lm cannot build a {model_config['model_type']} model from it: "
             f"{type(e).__name__}: {e}"
         ) from e
-    weights = store.non_expert_weights()
+    mapped = ()
+    if config.map_embeddings:  # before the reads: the table is never read whole
+        map_embedding(model, store)
+        mapped = (EMBEDDING_KEY,)
+    weights = store.non_expert_weights(skip=mapped)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantization = model_config.get("quantization")

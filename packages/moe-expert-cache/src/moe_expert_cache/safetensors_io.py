@@ -9,6 +9,7 @@ the header), then the data. We parse it ourselves so that one expert's rows of a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import re
@@ -155,8 +156,17 @@ class SafetensorsShard:
         out = mx.array(view.reshape(shape))
         return out.view(mx_dtype) if info.dtype == "BF16" else out
 
+    def array_view(self, info: TensorInfo) -> np.ndarray:
+        """The whole tensor as a read-only numpy view of the map (no copy; BF16 as uint16)."""
+        np_dtype, _ = _DTYPES[info.dtype]
+        view = np.frombuffer(self._map, dtype=np_dtype, count=prod(info.shape), offset=info.begin)
+        return view.reshape(info.shape)
+
     def close(self) -> None:
-        self._map.close()
+        # A live view (a mapped embedding) keeps the map open: it is unmapped when the
+        # last view is garbage-collected.
+        with contextlib.suppress(BufferError):
+            self._map.close()
         self._file.close()
 
 
