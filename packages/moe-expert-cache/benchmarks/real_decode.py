@@ -9,6 +9,7 @@ tokens themselves, resident expert bytes, and MLX's buffers after each load.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
 
@@ -74,7 +75,10 @@ def run_model(label: str, config: MoefyConfig, rounds: int, new_tokens: int, len
     asks = prompts(tokenizer, length)
     (stock, _), stock_bytes = _loaded(lambda: load_model(path))
     variants = {STOCK: (stock, None, stock_bytes)}
+    tied = json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False)
     for name, cfg in VARIANTS.items():
+        if cfg.map_embeddings and tied:
+            continue  # refused: a tied lm_head multiplies by the whole table every token
         cm, nbytes = _loaded(lambda cfg=cfg: load_cached_model(path, cfg))
         variants[name] = (cm.model, cm.manager, nbytes)
     names = list(variants)
@@ -155,7 +159,8 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
         f"(benchmarks/texts.py). {rounds} rounds after a warm-up round, variants interleaved "
         "in an order rotated every round, every prompt in every round; tokens/s: median over "
         "rounds and prompts (min-max). Each cached variant keeps its cache across prompts and "
-        "rounds. Resident expert MiB: the bytes of the expert stacks the cached blocks "
+        "rounds. The top-4 build keeps SmolLM2's tied lm_head, so its embedding is not "
+        "mapped (map_embeddings refuses a tied table). Resident expert MiB: the bytes of the expert stacks the cached blocks "
         "compute from (every projection's arrays), against MoE layers x capacity x expert "
         "size. MLX MiB: MLX's active memory added by the load "
         "(weights; the KV cache comes later). Stock's tokens: every prompt, every round. "
