@@ -7,7 +7,7 @@ Query-free selectors (keydiff, streaming) ignore the question, so their agnostic
 stand in both tables, marked as such.
 
     hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite_tables.py \\
-        --bmrt suite_8k --kvpress kvpress_suite_8k --name side_by_side_8k
+        --bmrt suite_8k suite_8k_magicpig --kvpress kvpress_suite_8k --name side_by_side_8k
 """
 
 from __future__ import annotations
@@ -120,12 +120,21 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--bmrt", default="suite_8k", help="results/<name>.json of suite.py")
+    parser.add_argument(
+        "--bmrt",
+        nargs="+",
+        default=["suite_8k"],
+        help="results/<name>.json of suite.py; several are read as one (their rows joined)",
+    )
     parser.add_argument("--kvpress", default="kvpress_suite_8k", help="kvpress_baseline.py's")
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--name", default="side_by_side_8k")
     args = parser.parse_args(argv)
-    bmrt = json.loads((RESULTS / f"{args.bmrt}.json").read_text())
+    runs = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in args.bmrt}
+    bmrt = {"rows": [row for run in runs.values() for row in run["rows"]]}
+    sources = " and ".join(
+        f"results/{name}.json ({run['command']}; {run['notes']})" for name, run in runs.items()
+    )
     kvpress = json.loads((RESULTS / f"{args.kvpress}.json").read_text())
     for mode in MODES:
         cells, tasks = collect(bmrt, kvpress, mode, args.tokens)
@@ -138,7 +147,7 @@ def main(argv=None) -> None:
             targets(cells, tasks, mode),
             command="hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite_tables.py "
             + " ".join(sys.argv[1:] if argv is None else argv),
-            notes=f"From results/{args.bmrt}.json ({bmrt['command']}; {bmrt['notes']}) and "
+            notes=f"From {sources} and "
             f"results/{args.kvpress}.json ({kvpress['command']}; {kvpress['notes']}). The "
             "full cache row is kvpress's uncompressed prefill of the same samples. "
             f"bmrt-kv's defaults select with {BMRTConfig().selector}.",
