@@ -9,7 +9,6 @@ tokens themselves, resident expert bytes, and MLX's buffers after each load.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 
@@ -75,10 +74,9 @@ def run_model(label: str, config: MoefyConfig, rounds: int, new_tokens: int, len
     asks = prompts(tokenizer, length)
     (stock, _), stock_bytes = _loaded(lambda: load_model(path))
     variants = {STOCK: (stock, None, stock_bytes)}
-    tied = json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False)
     for name, cfg in VARIANTS.items():
-        if cfg.map_embeddings and tied:
-            continue  # refused: a tied lm_head multiplies by the whole table every token
+        if cfg.map_embeddings and "lm_head" not in stock:
+            continue  # tied: map_embeddings refuses it (the same test map_embedding makes)
         cm, nbytes = _loaded(lambda cfg=cfg: load_cached_model(path, cfg))
         variants[name] = (cm.model, cm.manager, nbytes)
     names = list(variants)
@@ -160,7 +158,8 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
         "in an order rotated every round, every prompt in every round; tokens/s: median over "
         "rounds and prompts (min-max). Each cached variant keeps its cache across prompts and "
         "rounds. The top-4 build keeps SmolLM2's tied lm_head, so its embedding is not "
-        "mapped (map_embeddings refuses a tied table). Resident expert MiB: the bytes of the expert stacks the cached blocks "
+        "mapped (map_embeddings refuses a tied table). Resident expert MiB: the bytes of "
+        "the expert stacks the cached blocks "
         "compute from (every projection's arrays), against MoE layers x capacity x expert "
         "size. MLX MiB: MLX's active memory added by the load "
         "(weights; the KV cache comes later). Stock's tokens: every prompt, every round. "
