@@ -23,9 +23,9 @@ import torch
 import zstandard
 
 from zstd_linear import CodecConfig, Decoder, encode_weight
-from zstd_linear.codec import AUTO_LAYOUTS
+from zstd_linear.codec import AUTO_LAYOUTS, EncodedWeight, Frame, _compressor
 from zstd_linear.decoder import _read_frame
-from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES, dtype_name
 
 THREADS = (1, 2)
 
@@ -74,6 +74,44 @@ class Ours:
             d.close()
 
 
+class OursMany(Ours):
+    """The same encoding, every weight handed to one ``Decoder.decode_many`` call: the
+    chunks of all weights share the threads (a prefetcher decoding several layers ahead
+    could do this; the package's policies decode one weight at a time)."""
+
+    def __init__(self, layout: str):
+        super().__init__(layout)
+        self.name = f"zstd-linear {layout}, decode_many"
+
+    def decode_all(self, threads: int) -> None:
+        self.decoders[threads].decode_many(zip(self.encoded, self.buffers, strict=True))
+
+
+def encode_04(weight: torch.Tensor) -> EncodedWeight:
+    """zstd-linear 0.4's encoding: layout "exponent", every plane a zstd frame unless
+    that is not smaller than the plane (then raw); no bit-packing (0.7)."""
+    config = CodecConfig(layout="exponent")
+    name = dtype_name(weight.dtype)
+    values = weight.contiguous().view(-1).view(torch.uint8).numpy().view(SUPPORTED_DTYPES[name][1])
+    chunk_elems = config.chunk_bytes // values.itemsize
+    chunks = []
+    for start in range(0, values.size, chunk_elems):
+        frames = []
+        for plane in LAYOUTS["exponent"].split(values[start : start + chunk_elems], name):
+            raw = plane.tobytes()
+            coded = _compressor(config, "exponent").compress(raw)
+            frames.append(Frame(coded, "zstd") if len(coded) < len(raw) else Frame(raw, "raw"))
+        chunks.append(tuple(frames))
+    return EncodedWeight(
+        dtype=name,
+        shape=tuple(weight.shape),
+        layout="exponent",
+        level=config.level,
+        chunk_elems=chunk_elems,
+        frames=tuple(chunks),
+    )
+
+
 class NumpyJoin04:
     """zstd-linear 0.4's decoder: per chunk, zstd frames read into scratch planes, joined
     by numpy shifts (Layout.join); 0.4's default encoding (exponent, raw_below=0)."""
@@ -81,8 +119,7 @@ class NumpyJoin04:
     name = "0.4 decoder (numpy join), exponent"
 
     def prepare(self, weights):
-        config = CodecConfig(layout="exponent", raw_below=0.0)
-        self.encoded = [encode_weight(w, config) for w in weights]
+        self.encoded = [encode_04(w) for w in weights]
         self.buffers = [
             torch.empty(e.original_bytes, dtype=torch.uint8).numpy() for e in self.encoded
         ]
@@ -213,10 +250,12 @@ def run(quick: bool = False) -> dict:
     rows, by_key = [], {}
     for label, loader, dtype in sets:
         weights = [w.to(dtype).contiguous() for w in loader()]
-        methods = [Ours("zstd"), Ours("exponent"), Ours("exponent-mantissa"), NumpyJoin04()]
+        auto = AUTO_LAYOUTS[str(dtype).removeprefix("torch.")]
+        ours = [Ours("zstd"), Ours("exponent"), Ours("exponent-mantissa"), OursMany(auto)]
+        methods = [*ours, NumpyJoin04()]
         methods += [ZipNN()] if have_zipnn else []
         methods.append(Memcpy())
-        with methods[0], methods[1], methods[2], methods[3]:
+        with ours[0], ours[1], ours[2], ours[3], methods[4]:
             results = measure(weights, methods, repeats)
         for r in results:
             by_key[label, r["method"]] = r
@@ -251,13 +290,25 @@ def run(quick: bool = False) -> dict:
         }
     )
     minilm = ["MiniLM-L6 fp32", bf]
+
+    def many(label: str) -> dict:
+        return by_key[label, default(label)["method"] + ", decode_many"]
+
     targets.append(
         {
-            "target": "decode >= 2.5 GB/s with 2 threads on MiniLM bf16 and fp32, default layout",
+            "target": "decode >= 2.5 GB/s with 2 threads on MiniLM bf16 and fp32, default "
+            "layout, one weight at a time (as the policies decode)",
             "measured": ", ".join(
                 f"{label} {default(label)['gbps_2']:.2f} GB/s" for label in minilm
             ),
             "met": all(default(label)["gbps_2"] >= 2.5 for label in minilm),
+        }
+    )
+    targets.append(
+        {
+            "target": "the same, all weights in one decode_many call",
+            "measured": ", ".join(f"{label} {many(label)['gbps_2']:.2f} GB/s" for label in minilm),
+            "met": all(many(label)["gbps_2"] >= 2.5 for label in minilm),
         }
     )
     targets.append(
@@ -293,7 +344,11 @@ def run(quick: bool = False) -> dict:
         targets,
         "Median of interleaved runs decoding every Linear weight of the set into "
         "preallocated buffers (zipnn allocates its outputs). Default layout: "
-        "exponent-mantissa for bf16, exponent otherwise; frames raw where zstd saves < 5%. Compare rows of the same run. SmolLM2's weights come from a Q4_1 GGUF: their ratio is "
+        "exponent-mantissa for bf16, exponent otherwise; a frame is bit-packed where some "
+        "of its bits are constant, else raw, where zstd saves < 5% of the plane over that. "
+        "Rows without decode_many decode one weight at a time (its chunks in parallel); "
+        "MiniLM's weights are 1 or 2 chunks each. Compare rows of the same run. SmolLM2's "
+        "weights come from a Q4_1 GGUF: their ratio is "
         "not representative of trained float weights.",
     )
 

@@ -106,24 +106,73 @@ def test_random_mantissa_planes_are_stored_raw_and_exponent_compressed():
         assert not chunk[3].raw and len(chunk[3].data) < 0.5 * len(chunk[0].data)
 
 
-def test_frames_saving_less_than_raw_below_are_stored_raw():
+def test_a_plane_with_constant_bits_is_bit_packed_not_huffman_coded():
     # bfloat16 under exponent-mantissa: plane 0 holds the sign, the exponent's top bit
-    # (0 here) and 6 random mantissa bits, so zstd saves about 1/8 of it.
+    # (0 in every weight of magnitude below 2) and 6 random mantissa bits. zstd's
+    # Huffman code saves about 1/8 of it; dropping the constant bit saves exactly 1/8
+    # (less the 2-byte mask and value) and unpacks at memory speed.
     weight = (torch.randn(512, 512) * 0.02).to(torch.bfloat16)
-    saving = []
     for raw_below in (0.0, 0.05, 0.2):
-        config = CodecConfig(layout="exponent-mantissa", raw_below=raw_below)
+        config = CodecConfig(
+            layout="exponent-mantissa", chunk_bytes=128 * 1024, raw_below=raw_below
+        )
         encoded = encode_weight(weight, config)
-        plane0 = [chunk[0] for chunk in encoded.frames]
+        for chunk in encoded.frames:
+            n = 64 * 1024
+            assert chunk[0].kind == "bitpack" and len(chunk[0].data) == 2 + n * 7 // 8
+            assert chunk[0].data[0] == 0x01 and chunk[0].data[1] == 0  # bit 0: e7, always 0
+            assert chunk[1].kind == "zstd"  # the exponent plane
+        assert np.array_equal(bits_of(Decoder(2).decode(encoded)), bits_of(weight))
+    # One weight of magnitude >= 2 sets the bit in its chunk: that chunk is coded by zstd
+    # again (it saves over 5% against raw), the others stay bit-packed.
+    weight[0, 0] = 3.0
+    encoded = encode_weight(weight, CodecConfig(layout="exponent-mantissa", chunk_bytes=128 * 1024))
+    assert [chunk[0].kind for chunk in encoded.frames] == ["zstd"] + ["bitpack"] * 3
+    assert np.array_equal(bits_of(Decoder(2).decode(encoded)), bits_of(weight))
+
+
+def _bf16_with_planes(low: np.ndarray, high: np.ndarray) -> torch.Tensor:
+    """A (len(low) // 256, 256) bfloat16 weight whose "exponent" layout planes (rotation
+    1) are exactly ``low`` and ``high``."""
+    rotated = low.astype(np.uint16) | high.astype(np.uint16) << 8
+    values = (rotated >> 1) | ((rotated & 1) << 15)  # rotate right by 1
+    return torch.from_numpy(values.astype(np.int16)).view(torch.bfloat16).view(-1, 256)
+
+
+def test_frames_saving_less_than_raw_below_over_the_fast_form_are_stored_fast():
+    rng = np.random.default_rng(0)
+    n = 64 * 1024
+    # plane 0: every bit varies, but the bytes are skewed (zstd saves about 9%)
+    low = np.minimum(rng.geometric(0.012, n) - 1, 255).astype(np.uint8)
+    low[:256] = np.arange(256)
+    high = rng.integers(118, 124, n).astype(np.uint8)
+    weight = _bf16_with_planes(low, high)
+    saving = {}
+    for raw_below in (0.0, 0.05, 0.2):
+        config = CodecConfig(layout="exponent", raw_below=raw_below)
+        encoded = encode_weight(weight, config)
+        ((plane0, _),) = encoded.frames
         if raw_below == 0.2:
-            assert all(f.raw and len(f.data) == 256 * 1024 for f in plane0)
+            assert plane0.kind == "raw" and bytes(plane0.data) == low.tobytes()
         else:
-            assert not any(f.raw for f in plane0)
-            saving.append(1 - sum(len(f.data) for f in plane0) / (512 * 512))
-        assert all(not chunk[1].raw for chunk in encoded.frames)  # the exponent plane
-        decoded = Decoder(2).decode(encoded)
-        assert np.array_equal(bits_of(decoded), bits_of(weight))
-    assert all(0.05 < s < 0.2 for s in saving), saving
+            assert plane0.kind == "zstd"
+            saving[raw_below] = 1 - len(plane0.data) / n
+        assert np.array_equal(bits_of(Decoder(1).decode(encoded)), bits_of(weight))
+    assert all(0.05 < s < 0.2 for s in saving.values()), saving
+    # plane 0 with a constant bit and the same skew: zstd must save 5% over the packing
+    low_packed = low & 0x7F
+    weight = _bf16_with_planes(low_packed, high)
+    saved = {}
+    for raw_below in (0.0, 0.5):
+        ((plane0, _),) = encode_weight(
+            weight, CodecConfig(layout="exponent", raw_below=raw_below)
+        ).frames
+        saved[raw_below] = plane0.kind
+    assert saved[0.5] == "bitpack"
+    zstd_size = len(
+        encode_weight(weight, CodecConfig(layout="exponent", raw_below=0.0)).frames[0][0].data
+    )
+    assert saved[0.0] == ("zstd" if zstd_size < 2 + n * 7 // 8 else "bitpack")
 
 
 def test_default_layout_is_chosen_per_dtype():
@@ -204,3 +253,54 @@ def test_decoder_rejects_bad_threads_and_wrong_buffers():
     encoded = encode_weight(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="64 bytes"):
         Decoder(1).decode_into(encoded, torch.empty(60, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_many_equals_one_weight_at_a_time(threads):
+    rng = torch.Generator().manual_seed(5)
+    weights = [
+        (torch.randn(64, 48, generator=rng) * 0.02).to(dtype)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.bfloat16)
+    ] + [torch.randn(300, 100, generator=rng)]  # several chunks at chunk_bytes=16384
+    encoded = [encode_weight(w, CodecConfig(chunk_bytes=16384)) for w in weights]
+    assert {f.kind for e in encoded for chunk in e.frames for f in chunk} == {
+        "zstd",
+        "raw",
+        "bitpack",
+    }
+    outs = [torch.full((e.original_bytes,), 7, dtype=torch.uint8) for e in encoded]
+    decoder = Decoder(threads)
+    decoder.decode_many(zip(encoded, outs, strict=True))
+    for e, out, w in zip(encoded, outs, weights, strict=True):
+        assert np.array_equal(out.numpy(), w.contiguous().view(-1).view(torch.uint8).numpy())
+        one = torch.empty_like(out)
+        decoder.decode_into(e, one)
+        assert torch.equal(one, out)
+    decoder.close()
+
+
+def test_decode_many_checks_every_buffer_first_and_finishes_before_raising():
+    from zstd_linear import DecodeError
+    from zstd_linear.codec import EncodedWeight, Frame
+
+    weights = [torch.randn(64, 64) * 0.02 for _ in range(4)]
+    encoded = [encode_weight(w, CodecConfig(chunk_bytes=4096)) for w in weights]
+    outs = [torch.full((e.original_bytes,), 7, dtype=torch.uint8) for e in encoded]
+    decoder = Decoder(2)
+    bad = list(outs)
+    bad[2] = torch.empty(10, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=f"out must be a uint8 tensor of {64 * 64 * 4} bytes"):
+        decoder.decode_many(zip(encoded, bad, strict=True))
+    assert all((out == 7).all() for out in outs)  # nothing decoded
+    # a damaged frame in the second weight: the others are decoded, then the error raised
+    chunks = list(encoded[1].frames)
+    zstd_p = next(p for p, f in enumerate(chunks[0]) if f.kind == "zstd")
+    damaged = list(chunks[0])
+    damaged[zstd_p] = Frame(b"\x28\xb5\x2f\xfd" + bytes(20), "zstd")
+    chunks[0] = tuple(damaged)
+    broken = EncodedWeight(**{**encoded[1].__dict__, "frames": tuple(chunks)})
+    with pytest.raises(DecodeError, match="zstd frame"):
+        decoder.decode_many(zip([encoded[0], broken, encoded[2], encoded[3]], outs, strict=True))
+    for i in (0, 2, 3):
+        assert np.array_equal(outs[i].numpy(), weights[i].view(-1).view(torch.uint8).numpy())
+    decoder.close()

@@ -1,5 +1,6 @@
-"""The C plane join equals the numpy reference join and the original bits; the compiled
-core is what runs, it is current, its calls release the GIL, and the wheel is a
+"""The C plane join equals the numpy reference join and the original bits; the C unpack
+of a bit-packed plane equals a numpy reference and the plane; the compiled core is what
+runs, it is current, its calls release the GIL, and the wheel is a
 platform-tagged binary whose build fails when the C does not compile."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zstd_linear._core import core_info, ffi, join_planes, lib
+from zstd_linear._core import bitpack_size, core_info, ffi, join_planes, lib, unpack_bits
+from zstd_linear.codec import bitpack
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -112,6 +114,84 @@ def test_join_rejects_bad_input_before_writing():
     assert (out == 7).all()
 
 
+def _unpack_reference(packed: bytes, n: int) -> np.ndarray:
+    """numpy's reading of the packing codec.bitpack documents, bit by bit."""
+    mask, value = packed[0], packed[1]
+    free = [b for b in range(8) if not mask >> b & 1]
+    bits = np.unpackbits(np.frombuffer(packed[2:], np.uint8), bitorder="little")
+    codes = bits[: n * len(free)].reshape(n, len(free))
+    out = np.full(n, value, np.uint8)
+    for i, b in enumerate(free):
+        out |= codes[:, i] << b
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    n=st.integers(0, 200) | st.integers(200, 70000),
+    mask=st.integers(0, 255),
+    seed=st.integers(0, 2**32 - 1),
+    offset=st.integers(0, 7),
+)
+def test_c_unpack_equals_numpy_reference_equals_the_plane(n, mask, seed, offset):
+    rng = np.random.default_rng(seed)
+    plane = rng.integers(0, 256, n, dtype=np.uint8)
+    plane = (plane & ~np.uint8(mask)) | (np.uint8(rng.integers(0, 256)) & np.uint8(mask))
+    packed = bitpack(plane)
+    varying = int(np.bitwise_and.reduce(plane) ^ np.bitwise_or.reduce(plane)) if n else 0xFF
+    if varying == 0xFF:  # every bit varies somewhere (or nothing to pack)
+        assert packed is None
+        return
+    varying = varying or 0x80  # a constant plane keeps bit 7: at most 8x expansion
+    k = bin(varying).count("1")
+    assert packed[0] == 0xFF & ~varying and packed[1] == plane[0] & packed[0]
+    assert len(packed) == bitpack_size(n, packed[0]) == 2 + -(-n * k // 8)
+    assert np.array_equal(_unpack_reference(packed, n), plane)
+    out = np.zeros(n + offset, np.uint8)[offset:]  # any alignment
+    unpack_bits(packed, out)
+    assert np.array_equal(out, plane)
+    # from a read-only, unaligned view of a larger buffer (a frame in the file's mapping)
+    backing = bytes(offset) + packed + bytes(3)
+    view = memoryview(backing)[offset : offset + len(packed)]
+    out2 = np.empty(n, np.uint8)
+    unpack_bits(view, out2)
+    assert np.array_equal(out2, plane)
+
+
+def test_unpack_rejects_bad_input_before_writing():
+    plane = np.arange(100, dtype=np.uint8) & 0x7F
+    packed = bitpack(plane)
+    assert packed[0] == 0x80 and len(packed) == 2 + 88
+    out = np.full(100, 7, np.uint8)
+    with pytest.raises(ValueError, match="do not match the plane's size"):
+        unpack_bits(packed[:-1], out)
+    with pytest.raises(ValueError, match="do not match the plane's size"):
+        unpack_bits(packed + b"\0", out)
+    with pytest.raises(ValueError, match="do not match the plane's size"):
+        unpack_bits(packed, out[:99])
+    with pytest.raises(ValueError, match="do not match the plane's size"):
+        unpack_bits(packed[:1], out)
+    with pytest.raises(ValueError, match="mask or constant bits"):
+        unpack_bits(b"\0\0" + packed[2:], out)  # mask 0: nothing constant
+    with pytest.raises(ValueError, match="mask or constant bits"):
+        unpack_bits(b"\xff\0", out)  # mask 0xFF: 0 bits a byte, unbounded expansion
+    with pytest.raises(ValueError, match="mask or constant bits"):
+        unpack_bits(b"\x80\x01" + packed[2:], out)  # a constant outside the mask
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_bits(packed, out.view(np.uint16))
+    assert (out == 7).all()
+    out.flags.writeable = False
+    with pytest.raises((TypeError, ValueError)):
+        unpack_bits(packed, out)
+    # a constant plane keeps bit 7: 1 bit a byte
+    constant = np.full(1000, 0x5A, np.uint8)
+    packed = bitpack(constant)
+    assert packed[:2] == b"\x7f\x5a" and len(packed) == 2 + 125
+    out = np.empty(1000, np.uint8)
+    unpack_bits(packed, out)
+    assert (out == 0x5A).all()
+
+
 def _ffi_build():
     spec = importlib.util.spec_from_file_location("ffi_build", PACKAGE / "csrc" / "ffi_build.py")
     module = importlib.util.module_from_spec(spec)
@@ -145,7 +225,7 @@ def test_every_c_call_releases_the_gil(tmp_path):
     builder.emit_c_code(str(glue))
     text = glue.read_text()
     names = re.findall(r"^\w[\w\s\*]*\b(zl_\w+)\(", _ffi_build().cdef_text(), re.M)
-    assert sorted(names) == ["zl_core_info", "zl_join"]
+    assert sorted(names) == ["zl_bitpack_size", "zl_core_info", "zl_join", "zl_unpack_bits"]
     for name in names:
         body = text[text.index(f"_cffi_f_{name}(") :]
         body = body[: body.index("\n}\n")]

@@ -59,7 +59,8 @@ def test_round_trip_restores_every_layer_by_its_full_name(saved, tmp_path):
 
 def test_header_documents_names_and_frames(saved):
     h = header(saved)
-    assert h["format"] == FORMAT_VERSION == 2
+    kinds = {f[2] for layer in h["layers"] for f in layer["frames"]}
+    assert h["format"] == (3 if 2 in kinds else 2) and FORMAT_VERSION == 3
     assert [lyr["name"] for lyr in h["layers"]][:3] == [
         "blocks.0.q_proj",
         "blocks.0.up_proj",
@@ -260,7 +261,7 @@ def _set(*keys, value):
         (_set("layers", 0, "name", value=7), r"header layer 0: 'name' must be a non-empty string"),
         (_set("layers", 1, "name", value="blocks.0.q_proj"), r"the name appears twice"),
         (_set("layers", 0, "bias", "length", value=4096), r"bias must have .*length 128"),
-        (_set("format", value="2"), r"header field 'format' must be 2"),
+        (_set("format", value="2"), r"header field 'format' must be [23] \(the prefix's version\)"),
         (_set("layers", 1, "frames", 0, 0, value=0), r"'blocks.0.up_proj'.*overlaps"),
     ],
 )
@@ -281,6 +282,72 @@ def test_frames_of_the_wrong_kind_or_size_are_refused(saved, tmp_path):
         CompressedFileError, match=rf"frame {packed_k} \(chunk 0\) is raw, so it must hold 1024"
     ):
         read_file(rewrite(saved, tmp_path, _set("layers", 0, "frames", packed_k, 2, value=1)))
+
+
+@pytest.fixture
+def saved_bf16(tmp_path):
+    """A bfloat16 toy under the default layout: its low planes are bit-packed."""
+    model = make_toy(seed=4, dtype=torch.bfloat16)
+    compress_model(model)
+    path = tmp_path / "bf16.zlin"
+    save_compressed(model, path)
+    return path
+
+
+def test_bit_packed_frames_make_a_version_3_file_and_none_a_version_2_one(saved_bf16, tmp_path):
+    version, h, _ = split(saved_bf16.read_bytes())
+    kinds = [f[2] for layer in h["layers"] for f in layer["frames"]]
+    assert version == h["format"] == 3 and 2 in kinds
+    original = make_toy(seed=4, dtype=torch.bfloat16)
+    model = make_toy(seed=0, dtype=torch.bfloat16)
+    load_compressed(saved_bf16, model)
+    for name, layer in compressed_layers(model).items():
+        plain = original.get_submodule(name).weight
+        assert torch.equal(layer.weight.view(torch.int16), plain.view(torch.int16)), name
+    # Without bit-packed frames the file stays version 2, which zstd-linear 0.6 reads.
+    model = make_toy(seed=4, dtype=torch.bfloat16)
+    compress_model(model, layout="exponent")
+    path = tmp_path / "v2.zlin"
+    save_compressed(model, path)
+    version, h, _ = split(path.read_bytes())
+    assert version == h["format"] == 2
+    assert {f[2] for layer in h["layers"] for f in layer["frames"]} == {0, 1}
+    read_file(path)
+
+
+def test_bit_packed_frames_are_checked_before_decoding(saved_bf16, tmp_path):
+    version, h, body = split(saved_bf16.read_bytes())
+    layer = h["layers"][1]
+    k, frame = next((k, f) for k, f in enumerate(layer["frames"]) if f[2] == 2)
+    offset, length = frame[0], frame[1]
+    # a version 2 header cannot hold kind 2
+    bad = tmp_path / "v2-kind.zlin"
+    bad.write_bytes(join(2, dict(h, format=2), body))
+    with pytest.raises(
+        CompressedFileError, match=r"frame \d+ must be \[offset, length, kind \(0 zstd, 1 raw\)"
+    ):
+        read_file(bad)
+    # nor can any reader take a version it does not know
+    bad.write_bytes(join(4, dict(h, format=4), body))
+    with pytest.raises(
+        CompressedFileError, match="format version 4, this reader reads versions 2 and 3"
+    ):
+        read_file(bad)
+    # a length no packing of the plane can have
+    with pytest.raises(
+        CompressedFileError,
+        match=rf"frame {k} \(chunk 0\) is bit-packed, so it must hold 258 to 1794 bytes for 2048, not 1",
+    ):
+        read_file(rewrite(saved_bf16, tmp_path, _set("layers", 1, "frames", k, 1, value=1)))
+    # a mask that does not match the frame's length, and a constant outside the mask,
+    # with the frame's CRC-32 recomputed (a file written by other code)
+    for first_two in (b"\x03\x00", b"\x01\x02", b"\x00\x00", b"\xff\x00"):
+        patched = body[:offset] + first_two + body[offset + 2 :]
+        h2 = json.loads(json.dumps(h))
+        h2["layers"][1]["frames"][k][3] = zlib.crc32(patched[offset : offset + length])
+        bad.write_bytes(join(version, h2, patched))
+        with pytest.raises(CompressedFileError, match=rf"frame {k} is not a bit-packed plane"):
+            read_file(bad)
 
 
 def test_malformed_json_deep_nesting_and_foreign_constants_are_refused(saved, tmp_path):
@@ -350,7 +417,13 @@ def test_frames_that_could_not_expand_to_the_declared_shape_are_refused(tmp_path
     model = make_toy()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.weight.data.zero_()  # every plane a tiny zstd frame, none raw
+            # bytes alternating 0x00 and 0xFF: every bit varies (nothing to bit-pack), and
+            # every plane is a tiny zstd frame
+            module.weight.data.view(torch.int32).copy_(
+                torch.tensor([0, -1], dtype=torch.int32)
+                .repeat(module.weight.numel() // 2)
+                .view_as(module.weight)
+            )
     compress_model(model)
     path = tmp_path / "zeros.zlin"
     save_compressed(model, path)

@@ -68,7 +68,7 @@ def join(version: int, header: dict, body: bytes, magic: bytes = b"ZSTDLIN\0") -
 
 def _plausible(header: dict, rng: random.Random) -> dict:
     """Rewrite one field to a value that a valid file could hold: another layout or
-    dtype, a moved record, a flipped raw flag, a shifted offset."""
+    dtype, a moved record, another frame kind, a shifted offset."""
     layers = header["layers"]
     a, b = rng.choice(layers), rng.choice(layers)
     kind = rng.randrange(10)
@@ -86,7 +86,7 @@ def _plausible(header: dict, rng: random.Random) -> dict:
         f[:], g[:] = list(g), list(f)
     elif kind == 5:
         f = rng.choice(a["frames"])
-        f[2] = 1 - f[2]
+        f[2] = rng.choice([k for k in (0, 1, 2) if k != f[2]])  # zstd, raw, bitpack
     elif kind == 6:
         a["bias"], b["bias"] = b["bias"], a["bias"]
     elif kind == 7:

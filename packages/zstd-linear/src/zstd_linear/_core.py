@@ -22,6 +22,8 @@ _ERRORS = {
     lib.ZL_ERR_WIDTH: "width must be 2 or 4",
     lib.ZL_ERR_ROTATION: "rotation must be in 0..8*width-1",
     lib.ZL_ERR_NULL: "a plane or the output is NULL",
+    lib.ZL_ERR_SIZE: "the packed bytes do not match the plane's size",
+    lib.ZL_ERR_DATA: "the packed plane's mask or constant bits are invalid",
 }
 
 
@@ -53,9 +55,27 @@ def join_planes(planes: list, out: np.ndarray, rotation: int) -> None:
         raise ValueError(f"zl_join: {_ERRORS.get(status, status)}")
 
 
+def bitpack_size(n: int, mask: int) -> int:
+    """Stored bytes of a bit-packed plane of ``n`` bytes whose constant bits are ``mask``."""
+    return int(lib.zl_bitpack_size(n, mask))
+
+
+def unpack_bits(src, out: np.ndarray) -> None:
+    """Unpack the bit-packed plane ``src`` (bytes-like: mask, value, codes) into ``out``
+    ((n,) uint8, writable, contiguous) in C, with the GIL released. ValueError, with
+    nothing written, when ``src`` is not a valid packing of ``out.size`` bytes."""
+    if out.dtype != np.uint8 or out.ndim != 1:
+        raise ValueError(f"out must be a 1-D uint8 array, got {out.shape} {out.dtype}")
+    source = ffi.from_buffer("uint8_t[]", src)
+    target = ffi.from_buffer("uint8_t[]", out, require_writable=True)
+    status = lib.zl_unpack_bits(out.size, source, len(source), target)
+    if status != lib.ZL_OK:
+        raise ValueError(f"zl_unpack_bits: {_ERRORS.get(status, status)}")
+
+
 def core_info() -> str:
     """The C core's build stamp: C standard and sha256 of the compiled sources."""
     return ffi.string(lib.zl_core_info()).decode()
 
 
-__all__ = ["core_info", "ffi", "join_planes", "lib"]
+__all__ = ["bitpack_size", "core_info", "ffi", "join_planes", "lib", "unpack_bits"]

@@ -4,7 +4,8 @@ Each chunk is one task: its zstd frames are decoded with
 ``ZstdDecompressor().stream_reader(frame).readinto(buf)`` (which releases the GIL)
 into per-thread scratch planes, then joined by the C core (``_core.join_planes``, one
 call per chunk, which releases it too) into the chunk's slice of the output; a raw frame
-is joined straight from its bytes (the file's mapping), without a copy. Scratch and
+is joined straight from its bytes (the file's mapping), without a copy, and a bit-packed
+frame is unpacked by the C core (``_core.unpack_bits``) into a scratch plane. Scratch and
 decompressors are per thread and reused, so a decode allocates no buffer the size of a
 weight.
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
 import zstandard
 
-from zstd_linear._core import join_planes
+from zstd_linear._core import join_planes, unpack_bits
 from zstd_linear.codec import EncodedWeight, view_weight
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.layout import LAYOUTS
@@ -71,6 +73,15 @@ def _read_frame(decompressor: zstandard.ZstdDecompressor, data: bytes, out: np.n
         raise DecodeError(f"a zstd frame decoded to the wrong size (expected {len(view)} bytes)")
 
 
+def _unpack_frame(data, out: np.ndarray) -> None:
+    try:
+        unpack_bits(data, out)
+    except ValueError as exc:
+        raise DecodeError(
+            f"a bit-packed frame does not decode to {out.size} bytes: {exc}"
+        ) from None
+
+
 class Decoder:
     """Decodes EncodedWeights with ``threads`` worker threads (1 = in the calling thread)."""
 
@@ -85,26 +96,43 @@ class Decoder:
 
     def decode_into(self, encoded: EncodedWeight, out: torch.Tensor) -> None:
         """Decode ``encoded`` into ``out``: (original_bytes,) uint8 contiguous CPU tensor."""
-        if out.dtype != torch.uint8 or out.numel() != encoded.original_bytes:
-            raise ValueError(
-                f"out must be a uint8 tensor of {encoded.original_bytes} bytes, "
-                f"got {out.dtype} of {out.numel()}"
-            )
-        target = out.numpy()
-        n_chunks = len(encoded.frames)
-        width = encoded.itemsize
+        self.decode_many([(encoded, out)])
 
-        def dst(c: int) -> np.ndarray:  # (E * width,) uint8, chunk c's slice
-            start, stop = encoded.chunk_range(c)
-            return target[start * width : stop * width]
+    def decode_many(self, pairs: Iterable[tuple[EncodedWeight, torch.Tensor]]) -> None:
+        """Decode several weights at once, each into its ``out`` (as ``decode_into``).
 
-        if self._pool is None or n_chunks == 1:
-            for c in range(n_chunks):
-                self._decode_chunk(encoded, c, dst(c))
+        Every chunk of every weight is one task for the threads, so weights of one chunk
+        (up to 1 MiB by default) decode in parallel too, which one ``decode_into`` at a
+        time cannot do. Every ``out`` is checked before anything is decoded; on an error
+        the other tasks finish, then the first error is raised.
+        """
+        pairs = list(pairs)
+        tasks = []
+        for encoded, out in pairs:
+            if (
+                not isinstance(out, torch.Tensor)
+                or out.dtype != torch.uint8
+                or out.numel() != encoded.original_bytes
+            ):
+                got = (
+                    f"{out.dtype} of {out.numel()}"
+                    if isinstance(out, torch.Tensor)
+                    else type(out).__name__
+                )
+                raise ValueError(
+                    f"out must be a uint8 tensor of {encoded.original_bytes} bytes, got {got}"
+                )
+            target, width = out.numpy(), encoded.itemsize
+            for c in range(len(encoded.frames)):
+                start, stop = encoded.chunk_range(c)
+                tasks.append((encoded, c, target[start * width : stop * width]))
+        if self._pool is None or len(tasks) == 1:
+            for task in tasks:
+                self._decode_chunk(*task)
             return
-        for future in [
-            self._pool.submit(self._decode_chunk, encoded, c, dst(c)) for c in range(n_chunks)
-        ]:
+        futures = [self._pool.submit(self._decode_chunk, *task) for task in tasks]
+        wait(futures)
+        for future in futures:
             future.result()
 
     def decode_chunk_into(self, encoded: EncodedWeight, c: int, out: torch.Tensor) -> None:
@@ -134,23 +162,28 @@ class Decoder:
         frames = encoded.frames[c]
         if not layout.planes:
             frame = frames[0]
-            if frame.raw:
+            if frame.kind == "raw":
                 if len(frame.data) != dst.size:
                     raise DecodeError(f"a raw frame holds {len(frame.data)} bytes, not {dst.size}")
                 np.copyto(dst, np.frombuffer(frame.data, dtype=np.uint8))
+            elif frame.kind == "bitpack":
+                _unpack_frame(frame.data, dst)
             else:
                 _read_frame(scratch.decompressor, frame.data, dst)
             return
         planes: list[np.ndarray | bytes | memoryview] = []
         for p, frame in enumerate(frames):
-            if frame.raw:
+            if frame.kind == "raw":
                 if len(frame.data) != n:
                     raise DecodeError(f"a raw frame holds {len(frame.data)} bytes, not {n}")
                 planes.append(frame.data)  # joined straight from the file's mapping
+                continue
+            plane = scratch.get(n, np.dtype(np.uint8), p)
+            if frame.kind == "bitpack":
+                _unpack_frame(frame.data, plane)
             else:
-                plane = scratch.get(n, np.dtype(np.uint8), p)
                 _read_frame(scratch.decompressor, frame.data, plane)
-                planes.append(plane)
+            planes.append(plane)
         join_planes(planes, dst, layout.rotation[encoded.dtype])
 
     def close(self) -> None:

@@ -3,16 +3,16 @@
 Layout (all integers little-endian)::
 
     magic        8 bytes   b"ZSTDLIN\\0"
-    version      u32       FORMAT_VERSION
+    version      u32       2, or 3 where a frame is bit-packed (see below)
     header_len   u64       bytes of the JSON header
     header_crc   u32       zlib.crc32 of the header bytes
-    header       JSON      {"format": 2, "layers": [layer, ...]}
+    header       JSON      {"format": version, "layers": [layer, ...]}
     data                   frames and biases, back to back, nothing else
 
     layer = {"name": fully qualified module name, "dtype": "float32" | "bfloat16" |
              "float16", "shape": [out, in], "layout": LAYOUTS name, "level": int,
              "chunk_elems": int,
-             "frames": [[offset, length, raw (0/1), crc32], ...],  # chunk-major, plane-minor
+             "frames": [[offset, length, kind, crc32], ...],  # chunk-major, plane-minor
              "bias": null | {"dtype", "offset", "length", "crc32"},
              "weight_crc32": record_crc32 of the decoded weight}
 
@@ -23,6 +23,10 @@ checked against ``weight_crc32``: frame CRCs alone cover the compressed bytes, n
 the weight a layout or dtype field makes of them. ``weight_crc32`` and the bias
 ``crc32`` also cover the layer's name, dtype and shape (see record_crc32). Anything
 wrong raises a CompressedFileError naming the file and the layer or field.
+
+A frame's kind is 0 (a zstd frame), 1 (the plane's raw bytes) or 2 (the plane
+bit-packed: codec.bitpack). Kind 2 came with version 3 (zstd-linear 0.7); a file
+without it is written as version 2, which zstd-linear 0.2-0.6 read too.
 
 Version 1 files (zstd-linear 0.1) carry no checksum of the decoded weights and are
 refused with a message saying to re-compress. Files are written to a temporary name
@@ -44,14 +48,17 @@ import numpy as np
 import torch
 import zstandard
 
-from zstd_linear.codec import EncodedWeight, Frame
+from zstd_linear._core import bitpack_size
+from zstd_linear.codec import FRAME_KINDS, EncodedWeight, Frame
 from zstd_linear.decoder import DecodeError, Decoder
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.fileheader import LayerSpec, fail, parse_header, record_crc32
 from zstd_linear.layout import SUPPORTED_DTYPES
 
 MAGIC = b"ZSTDLIN\0"
-FORMAT_VERSION = 2
+#: The newest version this writes; files without bit-packed frames are written as 2.
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
 _PREFIX = struct.Struct("<8sIQI")  # magic, version, header_len, header_crc
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "CompressedFileError", "read_file", "write_file"]
@@ -86,7 +93,7 @@ def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
         for chunk in encoded.frames:
             for frame in chunk:
                 start, length, crc = put(frame.data)
-                frames.append([start, length, int(frame.raw), crc])
+                frames.append([start, length, FRAME_KINDS.index(frame.kind), crc])
         bias_entry = None
         if bias is not None:
             b = bias.detach().to("cpu").contiguous()
@@ -115,13 +122,15 @@ def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
                 ),
             }
         )
-    header = json.dumps({"format": FORMAT_VERSION, "layers": layers}).encode()
+    packed = any(f[2] == FRAME_KINDS.index("bitpack") for layer in layers for f in layer["frames"])
+    version = FORMAT_VERSION if packed else 2
+    header = json.dumps({"format": version, "layers": layers}).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), umask_mode())
-            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), zlib.crc32(header)))
+            f.write(_PREFIX.pack(MAGIC, version, len(header), zlib.crc32(header)))
             f.write(header)
             for blob in blobs:
                 f.write(blob)
@@ -163,11 +172,16 @@ def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[En
                 path,
                 None,
                 "format version 1 (zstd-linear 0.1) has no checksum of the decoded weights; "
-                f"this reader reads version {FORMAT_VERSION}: re-compress the model "
+                f"this reader reads versions {' and '.join(map(str, READ_VERSIONS))}: re-compress the model "
                 "(compress_model + save_compressed), or read the file with zstd-linear 0.1",
             )
-        if version != FORMAT_VERSION:
-            raise fail(path, None, f"format version {version}, this reader reads {FORMAT_VERSION}")
+        if version not in READ_VERSIONS:
+            raise fail(
+                path,
+                None,
+                f"format version {version}, this reader reads versions "
+                f"{' and '.join(map(str, READ_VERSIONS))}",
+            )
         if header_len > size - _PREFIX.size:
             raise fail(
                 path,
@@ -206,7 +220,16 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
             raise fail(
                 path, name, f"checksum mismatch in the frame at offset {spec.offset} (corrupted)"
             )
-        if not spec.raw:
+        if spec.kind == "bitpack":
+            mask, value = blob[0], blob[1]
+            if mask in (0, 0xFF) or value & ~mask or spec.length != bitpack_size(spec.size, mask):
+                raise fail(
+                    path,
+                    name,
+                    f"frame {k} is not a bit-packed plane of {spec.size} bytes "
+                    f"(mask {mask:#04x}, value {value:#04x}, {spec.length} bytes)",
+                )
+        elif spec.kind == "zstd":
             try:
                 content = zstandard.frame_content_size(blob)
             except zstandard.ZstdError:
@@ -214,7 +237,7 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
             if content != spec.size:
                 found = "no zstd frame" if content is None else f"a zstd frame of {content} bytes"
                 raise fail(path, name, f"frame {k} must decode to {spec.size} bytes, found {found}")
-        frames.append(Frame(blob, spec.raw))
+        frames.append(Frame(blob, spec.kind))
     n_planes = layer.n_planes
     encoded = EncodedWeight(
         dtype=layer.dtype,

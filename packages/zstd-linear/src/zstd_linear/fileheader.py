@@ -43,13 +43,21 @@ def record_crc32(data_crc: int, name: str, role: str, dtype: str, shape) -> int:
     return zlib.crc32(tag.encode(), data_crc)
 
 
+#: Frame kinds by header number (codec.FRAME_KINDS); version 2 files hold only 0 and 1.
+KINDS = ("zstd", "raw", "bitpack")
+
+
 @dataclass(frozen=True)
 class FrameSpec:
     offset: int
     length: int
-    raw: bool
+    kind: str  # a KINDS name
     crc32: int
     size: int  # the plane's decoded bytes
+
+    @property
+    def raw(self) -> bool:
+        return self.kind == "raw"
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,7 @@ def parse_header(
         raise fail(
             path, None, f"header field 'layers' must be a list, got {_show(header['layers'])}"
         )
-    layers = [_layer(path, i, obj) for i, obj in enumerate(header["layers"])]
+    layers = [_layer(path, i, obj, version) for i, obj in enumerate(header["layers"])]
     seen: set[str] = set()
     for layer in layers:
         if layer.name in seen:
@@ -132,7 +140,7 @@ def parse_header(
     return layers
 
 
-def _layer(path, index: int, obj) -> LayerSpec:
+def _layer(path, index: int, obj, version: int) -> LayerSpec:
     if not isinstance(obj, dict):
         raise fail(path, None, f"header layer {index} must be an object, got {_show(obj)}")
     name = obj.get("name")
@@ -179,39 +187,53 @@ def _layer(path, index: int, obj) -> LayerSpec:
             f"{n_chunks * n_planes} frames for shape {shape}, got {count}",
         )
     specs = []
+    max_kind = 1 if version == 2 else len(KINDS) - 1
     for k, frame in enumerate(frames):
         if not (
             isinstance(frame, list)
             and len(frame) == 4
             and _is_int(frame[0], 0, MAX_OFFSET)
             and _is_int(frame[1], 0, MAX_OFFSET)
-            and _is_int(frame[2], 0, 1)
+            and _is_int(frame[2], 0, max_kind)
             and _is_int(frame[3], 0, 2**32 - 1)
         ):
+            kinds = ", ".join(f"{i} {kind}" for i, kind in enumerate(KINDS[: max_kind + 1]))
             raise fail(
                 path,
                 name,
-                f"frame {k} must be [offset, length, raw 0/1, crc32] of ints, offset and "
-                f"length >= 0, got {_show(frame)}",
+                f"frame {k} must be [offset, length, kind ({kinds}), crc32] of ints, offset "
+                f"and length >= 0, got {_show(frame)}",
             )
-        offset, length, raw, crc = frame
+        offset, length, kind, crc = frame
+        kind = KINDS[kind]
         c = k // n_planes
         elems = min(chunk_elems, numel - c * chunk_elems)
         size = elems * (itemsize if n_planes == 1 else 1)
+        raw = kind == "raw"
+        # A bit-packed plane keeps 1..7 bits of each byte after its 2-byte mask and
+        # value; its exact length depends on the mask (checked when the frame is read).
+        low, high = 2 + -(-size // 8), 2 + -(-7 * size // 8)
+        if kind == "bitpack" and not low <= length <= high:
+            raise fail(
+                path,
+                name,
+                f"frame {k} (chunk {c}) is bit-packed, so it must hold {low} to {high} "
+                f"bytes for {size}, not {length}",
+            )
         if raw and length != size:
             raise fail(
                 path,
                 name,
                 f"frame {k} (chunk {c}) is raw, so it must hold {size} bytes, not {length}",
             )
-        if not raw and size > ZSTD_MAX_EXPANSION * length:
+        if kind == "zstd" and size > ZSTD_MAX_EXPANSION * length:
             raise fail(
                 path,
                 name,
                 f"frame {k} (chunk {c}) of {length} bytes cannot decode to {size} bytes "
                 f"(a zstd frame expands at most {ZSTD_MAX_EXPANSION}x)",
             )
-        specs.append(FrameSpec(offset, length, bool(raw), crc, size))
+        specs.append(FrameSpec(offset, length, kind, crc, size))
     return LayerSpec(
         name=name,
         dtype=dtype,

@@ -18,6 +18,8 @@ from zstd_linear.policies.prefetch import PerPassPrefetch
 # costs its entropy decoding as well (zstd decodes ~4x slower than memcpy here), and a
 # layout with planes pays a join over the whole weight.
 _ZSTD_COST = 4.0
+_BITPACK_COST = 2.0  # unpacked at about half of memcpy's speed (benchmarks/codec.py)
+_FRAME_COST = {"raw": 1.0, "bitpack": _BITPACK_COST, "zstd": _ZSTD_COST}
 _JOIN_COST = 1.0
 DEFAULT_HEADROOM_BYTES = 64 << 20
 
@@ -30,7 +32,7 @@ def decode_cost(encoded) -> float:
         start, stop = encoded.chunk_range(c)
         plane_bytes = (stop - start) * (encoded.itemsize if planes == 1 else 1)
         for frame in chunk:
-            cost += plane_bytes * (1.0 if frame.raw else _ZSTD_COST)
+            cost += plane_bytes * _FRAME_COST[frame.kind]
         if planes > 1:
             cost += _JOIN_COST * (stop - start) * encoded.itemsize
     return cost
