@@ -89,7 +89,6 @@ static unsigned free_bits(uint8_t mask) {
  * 64-bit register, no table. */
 static inline void unpack_run(unsigned k, unsigned lo, uint8_t value, size_t n,
                               const uint8_t *restrict src, uint8_t *restrict out) {
-    const uint64_t m = (1u << k) - 1u;
     const uint64_t fill = 0x0101010101010101ull * value;
     size_t groups = n / 8;
     size_t wide = wide_groups(n, k);
@@ -101,7 +100,7 @@ static inline void unpack_run(unsigned k, unsigned lo, uint8_t value, size_t n,
     if (rest) {
         uint64_t w = load_le(src + groups * k, (unsigned)((rest * k + 7) / 8));
         for (unsigned j = 0; j < rest; j++)
-            out[8 * groups + j] = (uint8_t)((((w >> (j * k)) & m) << lo) | value);
+            out[8 * groups + j] = (uint8_t)((ZL_CODE(w, j, k) << lo) | value);
     }
 }
 
@@ -118,18 +117,27 @@ size_t zl_bitpack_size(size_t n, uint8_t mask) {
     return 2 + (n / 8) * k + ((n % 8) * k + 7) / 8;
 }
 
-int zl_unpack_bits(size_t n, const uint8_t *src, size_t src_len, uint8_t *out) {
-    if (!src || (n && !out)) return ZL_ERR_NULL;
+static int check(size_t n, const uint8_t *src, size_t src_len) {
+    if (!src) return ZL_ERR_NULL;
     if (src_len < 2) return ZL_ERR_SIZE;
     uint8_t mask = src[0], value = src[1];
     if (mask == 0 || mask == 0xFF || (value & (uint8_t)~mask)) return ZL_ERR_DATA;
     if (src_len != zl_bitpack_size(n, mask)) return ZL_ERR_SIZE;
-    unsigned k = free_bits(mask);
-    if (n == 0) return ZL_OK;
-    /* table[code]: the code's k bits deposited, lowest first, into the bits mask leaves
-     * free, the constant bits added. */
+    return ZL_OK;
+}
+
+int zl_unpack_bits(size_t n, const uint8_t *src, size_t src_len, uint8_t *out) {
+    int status = check(n, src, src_len);
+    if (status != ZL_OK || !out || n == 0) return status;
+    uint8_t mask = src[0], value = src[1];
+    unsigned k = free_bits(mask), lo = 0;
+    while (mask >> lo & 1u) lo++;
+    /* run: the free bits are exactly lo..lo+k-1 */
+    int run = (uint8_t)~mask == (uint8_t)(((1u << k) - 1u) << lo);
+    /* table[code] (other masks): the code's k bits deposited, lowest first, into the
+     * bits mask leaves free, the constant bits added. */
     uint8_t table[128];
-    for (unsigned code = 0; code < (1u << k); code++) {
+    for (unsigned code = 0; !run && code < (1u << k); code++) {
         unsigned byte = value, c = code;
         for (unsigned bit = 0; bit < 8; bit++) {
             if (!(mask >> bit & 1u)) {
@@ -139,10 +147,6 @@ int zl_unpack_bits(size_t n, const uint8_t *src, size_t src_len, uint8_t *out) {
         }
         table[code] = (uint8_t)byte;
     }
-    unsigned lo = 0;
-    while (mask >> lo & 1u) lo++;
-    /* run: the free bits are exactly lo..lo+k-1 */
-    int run = (uint8_t)~mask == (uint8_t)(((1u << k) - 1u) << lo);
     switch (k) {
         ZL_UNPACK_CASE(1)
         ZL_UNPACK_CASE(2)

@@ -31,15 +31,15 @@ int zl_join(int width, int rotation, size_t n, const uint8_t *p0, const uint8_t 
 
 /* A bit-packed plane of n bytes: src = [mask, value, codes...]. The bits set in mask are
  * the same in every byte (their values in value); the k = 8 - popcount(mask) others
- * (1..7; a constant plane
- * keeps bit 7, so that no frame expands more than 8x) are stored as one k-bit code per byte,
- * the byte's free bits lowest first, codes packed LSB-first into
- * zl_bitpack_size(n, mask) - 2 bytes. */
+ * (1..7; a constant plane keeps bit 7, so that no frame expands more than 8x) are
+ * stored as one k-bit code per byte, the byte's free bits lowest first, codes packed
+ * LSB-first into zl_bitpack_size(n, mask) - 2 bytes. */
 size_t zl_bitpack_size(size_t n, uint8_t mask);
 
 /* Unpack such a plane into out (n bytes). Returns ZL_OK, ZL_ERR_SIZE (src_len is not
- * zl_bitpack_size(n, src[0])), ZL_ERR_DATA (mask 0 or 0xFF, or value has bits outside mask) or
- * ZL_ERR_NULL; nothing is written unless ZL_OK. */
+ * zl_bitpack_size(n, src[0])), ZL_ERR_DATA (mask 0 or 0xFF, or value has bits outside
+ * mask) or ZL_ERR_NULL (src NULL); nothing is written unless ZL_OK. With out NULL it
+ * only checks src and writes nothing. */
 int zl_unpack_bits(size_t n, const uint8_t *src, size_t src_len, uint8_t *out);
 
 /* "C<standard> sha256:<digest of the compiled sources>" */

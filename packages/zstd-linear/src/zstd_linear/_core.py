@@ -60,6 +60,15 @@ def bitpack_size(n: int, mask: int) -> int:
     return int(lib.zl_bitpack_size(n, mask))
 
 
+def check_bitpack(src, n: int) -> None:
+    """ValueError unless ``src`` (bytes-like) is a valid bit-packing of ``n`` bytes: the
+    same check ``unpack_bits`` makes before it writes anything."""
+    source = ffi.from_buffer("uint8_t[]", src)
+    status = lib.zl_unpack_bits(n, source, len(source), ffi.NULL)  # NULL out: check only
+    if status != lib.ZL_OK:
+        raise ValueError(f"zl_unpack_bits: {_ERRORS.get(status, status)}")
+
+
 def unpack_bits(src, out: np.ndarray) -> None:
     """Unpack the bit-packed plane ``src`` (bytes-like: mask, value, codes) into ``out``
     ((n,) uint8, writable, contiguous) in C, with the GIL released. ValueError, with
@@ -78,4 +87,12 @@ def core_info() -> str:
     return ffi.string(lib.zl_core_info()).decode()
 
 
-__all__ = ["bitpack_size", "core_info", "ffi", "join_planes", "lib", "unpack_bits"]
+__all__ = [
+    "bitpack_size",
+    "check_bitpack",
+    "core_info",
+    "ffi",
+    "join_planes",
+    "lib",
+    "unpack_bits",
+]

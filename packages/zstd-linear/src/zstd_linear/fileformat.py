@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import zstandard
 
-from zstd_linear._core import bitpack_size
+from zstd_linear._core import check_bitpack
 from zstd_linear.codec import FRAME_KINDS, EncodedWeight, Frame
 from zstd_linear.decoder import DecodeError, Decoder
 from zstd_linear.errors import CompressedFileError
@@ -59,6 +59,7 @@ MAGIC = b"ZSTDLIN\0"
 #: The newest version this writes; files without bit-packed frames are written as 2.
 FORMAT_VERSION = 3
 READ_VERSIONS = (2, 3)
+_READS = f"this reader reads versions {' and '.join(map(str, READ_VERSIONS))}"
 _PREFIX = struct.Struct("<8sIQI")  # magic, version, header_len, header_crc
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "CompressedFileError", "read_file", "write_file"]
@@ -172,16 +173,11 @@ def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[En
                 path,
                 None,
                 "format version 1 (zstd-linear 0.1) has no checksum of the decoded weights; "
-                f"this reader reads versions {' and '.join(map(str, READ_VERSIONS))}: re-compress the model "
+                f"{_READS}: re-compress the model "
                 "(compress_model + save_compressed), or read the file with zstd-linear 0.1",
             )
         if version not in READ_VERSIONS:
-            raise fail(
-                path,
-                None,
-                f"format version {version}, this reader reads versions "
-                f"{' and '.join(map(str, READ_VERSIONS))}",
-            )
+            raise fail(path, None, f"format version {version}, {_READS}")
         if header_len > size - _PREFIX.size:
             raise fail(
                 path,
@@ -221,14 +217,15 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
                 path, name, f"checksum mismatch in the frame at offset {spec.offset} (corrupted)"
             )
         if spec.kind == "bitpack":
-            mask, value = blob[0], blob[1]
-            if mask in (0, 0xFF) or value & ~mask or spec.length != bitpack_size(spec.size, mask):
+            try:
+                check_bitpack(blob, spec.size)
+            except ValueError as exc:
                 raise fail(
                     path,
                     name,
                     f"frame {k} is not a bit-packed plane of {spec.size} bytes "
-                    f"(mask {mask:#04x}, value {value:#04x}, {spec.length} bytes)",
-                )
+                    f"(mask {blob[0]:#04x}, value {blob[1]:#04x}, {spec.length} bytes): {exc}",
+                ) from None
         elif spec.kind == "zstd":
             try:
                 content = zstandard.frame_content_size(blob)

@@ -15,6 +15,7 @@ import os
 import zlib
 from dataclasses import dataclass
 
+from zstd_linear.codec import FRAME_KINDS
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 
@@ -43,21 +44,13 @@ def record_crc32(data_crc: int, name: str, role: str, dtype: str, shape) -> int:
     return zlib.crc32(tag.encode(), data_crc)
 
 
-#: Frame kinds by header number (codec.FRAME_KINDS); version 2 files hold only 0 and 1.
-KINDS = ("zstd", "raw", "bitpack")
-
-
 @dataclass(frozen=True)
 class FrameSpec:
     offset: int
     length: int
-    kind: str  # a KINDS name
+    kind: str  # a codec.FRAME_KINDS name
     crc32: int
     size: int  # the plane's decoded bytes
-
-    @property
-    def raw(self) -> bool:
-        return self.kind == "raw"
 
 
 @dataclass(frozen=True)
@@ -187,7 +180,7 @@ def _layer(path, index: int, obj, version: int) -> LayerSpec:
             f"{n_chunks * n_planes} frames for shape {shape}, got {count}",
         )
     specs = []
-    max_kind = 1 if version == 2 else len(KINDS) - 1
+    max_kind = 1 if version == 2 else len(FRAME_KINDS) - 1  # version 2: zstd and raw only
     for k, frame in enumerate(frames):
         if not (
             isinstance(frame, list)
@@ -197,7 +190,7 @@ def _layer(path, index: int, obj, version: int) -> LayerSpec:
             and _is_int(frame[2], 0, max_kind)
             and _is_int(frame[3], 0, 2**32 - 1)
         ):
-            kinds = ", ".join(f"{i} {kind}" for i, kind in enumerate(KINDS[: max_kind + 1]))
+            kinds = ", ".join(f"{i} {kind}" for i, kind in enumerate(FRAME_KINDS[: max_kind + 1]))
             raise fail(
                 path,
                 name,
@@ -205,11 +198,10 @@ def _layer(path, index: int, obj, version: int) -> LayerSpec:
                 f"and length >= 0, got {_show(frame)}",
             )
         offset, length, kind, crc = frame
-        kind = KINDS[kind]
+        kind = FRAME_KINDS[kind]
         c = k // n_planes
         elems = min(chunk_elems, numel - c * chunk_elems)
         size = elems * (itemsize if n_planes == 1 else 1)
-        raw = kind == "raw"
         # A bit-packed plane keeps 1..7 bits of each byte after its 2-byte mask and
         # value; its exact length depends on the mask (checked when the frame is read).
         low, high = 2 + -(-size // 8), 2 + -(-7 * size // 8)
@@ -220,7 +212,7 @@ def _layer(path, index: int, obj, version: int) -> LayerSpec:
                 f"frame {k} (chunk {c}) is bit-packed, so it must hold {low} to {high} "
                 f"bytes for {size}, not {length}",
             )
-        if raw and length != size:
+        if kind == "raw" and length != size:
             raise fail(
                 path,
                 name,
