@@ -1,7 +1,8 @@
 """SparseMLP quality on the embedded SmolLM2-135M: perplexity on a held-out text, next-token
 agreement with the dense model and recall of the oracle's rows, at 25 / 50 / 75% active
-rows, per mask source (oracle, trained, cats, lowrank, fixed). Not a timing benchmark (the
-fit seconds column is context only)."""
+rows, per mask source (oracle, trained (gated), trained-linear, cats, lowrank, fixed), with
+each source's own cost in multiply-adds. Not a timing benchmark (the fit seconds column is
+context only)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,20 @@ import torch
 from common import NOISE, write_result
 from texts import CALIBRATION, DOCS_TOKENS, HELD_OUT, docs_ids
 
-from paired_cache.mask_sources import OracleTopK
+from paired_cache.mask_sources import DEFAULT_RANK, OracleTopK
 from paired_cache.sparse_mlp import sparsify_model
 from paired_cache.trained_predictor import TrainConfig, fit_predictors
 
-SOURCES = ("oracle", "trained", "cats", "lowrank", "fixed")
+# (row name, registered source, predictor kind for "trained")
+SOURCES = (
+    ("oracle", "oracle", None),
+    ("trained", "trained", "gated"),
+    ("trained-linear", "trained", "linear"),
+    ("cats", "cats", None),
+    ("lowrank", "lowrank", None),
+    ("fixed", "fixed", None),
+)
+
 GENERATED_TOKENS = 768  # self-generated calibration text for lowrank and fixed
 
 
@@ -40,6 +50,21 @@ def calibration_ids(model, tokenizer, quick: bool) -> torch.Tensor:
             ids[:, :16], max_new_tokens=extra, do_sample=True, temperature=1.0, top_k=50
         )
     return torch.cat([ids, out[:, 16:]], dim=1)
+
+
+def mask_cost(row: str, n: int, hidden: int, ranks: dict[str, int]) -> float:
+    """Multiply-adds a source spends per token to choose its rows, as a share of the dense
+    MLP's 3 N hidden."""
+    dense = 3 * n * hidden
+    cost = {
+        "oracle": 2 * n * hidden,
+        "trained": n * hidden + ranks["gated"] * (hidden + n),
+        "trained-linear": ranks["linear"] * (hidden + n),
+        "cats": n * hidden,
+        "lowrank": 2 * min(DEFAULT_RANK, hidden, n) * (hidden + n),
+        "fixed": 0,
+    }[row]
+    return round(cost / dense, 3)
 
 
 def record_recall(mlps) -> list[list[float]]:
@@ -73,20 +98,28 @@ def main(quick: bool, fractions=(0.25, 0.5, 0.75), tokens: int = DOCS_TOKENS) ->
     calibration = calibration_ids(model, tokenizer, quick)
     with torch.no_grad():
         dense_nll, dense_top = nll_and_argmax(model(held_out).logits, held_out)
-    rows = [["dense", "100%", 1.0, round(math.exp(dense_nll), 3), "", "", ""]]
+    rows = [["dense", "100%", 1.0, round(math.exp(dense_nll), 3), "", "", "", ""]]
     fractions = (0.5,) if quick else fractions
-    train = TrainConfig()
     docs = docs_ids(tokenizer, 1024 if quick else tokens)
-    # One fit for every fraction: the predictor scores rows, each fraction keeps its top k.
-    start = time.perf_counter()
-    predictors = fit_predictors(model, docs, train)
-    fit_s = time.perf_counter() - start
-    print(f"fitted predictors on {docs.shape[1]} tokens in {fit_s:.0f} s", file=sys.stderr)
-    names = list(predictors)  # the order sparsify_model replaces the MLPs in
+    # One fit per kind for every fraction: the predictor scores rows, each fraction keeps
+    # its top k.
+    predictors, fit_s, ranks = {}, {}, {}
+    for kind in ("gated", "linear"):
+        start = time.perf_counter()
+        predictors[kind] = fit_predictors(model, docs, TrainConfig(kind=kind))
+        fit_s[kind] = time.perf_counter() - start
+        first = next(iter(predictors[kind].values()))
+        ranks[kind] = first["up_in" if kind == "gated" else "proj_in"].shape[1]
+        print(
+            f"fitted {kind} predictors on {docs.shape[1]} tokens in {fit_s[kind]:.0f} s",
+            file=sys.stderr,
+        )
+    names = list(predictors["gated"])  # the order sparsify_model replaces the MLPs in
+    n, hidden = model.get_submodule(names[0]).gate_proj.weight.shape
     for fraction in fractions:
-        for source in SOURCES:
+        for row, source, kind in SOURCES:
             sparse_model = copy.deepcopy(model)
-            options = {"weights": [predictors[n] for n in names]} if source == "trained" else {}
+            options = {"weights": [predictors[kind][m] for m in names]} if kind else {}
             with torch.no_grad():
                 mlps = sparsify_model(
                     sparse_model, source, fraction, calibration_ids=calibration, **options
@@ -98,16 +131,17 @@ def main(quick: bool, fractions=(0.25, 0.5, 0.75), tokens: int = DOCS_TOKENS) ->
             recall = sum(h[0] for h in hits) / max(1, sum(h[1] for h in hits))
             rows.append(
                 [
-                    source,
+                    row,
                     f"{round(fraction * 100)}%",
                     round((top == dense_top).double().mean().item(), 3),
                     round(math.exp(nll), 3),
                     round(recall, 3),
                     round(moved / max(updates, 1), 1),
-                    round(fit_s) if source == "trained" else "",
+                    mask_cost(row, n, hidden, ranks),
+                    round(fit_s[kind]) if kind else "",
                 ]
             )
-            print(f"{source} {fraction}: {rows[-1]}", file=sys.stderr)
+            print(f"{row} {fraction}: {rows[-1]}", file=sys.stderr)
             del sparse_model, mlps
     write_result(
         "quality",
@@ -119,6 +153,7 @@ def main(quick: bool, fractions=(0.25, 0.5, 0.75), tokens: int = DOCS_TOKENS) ->
             "perplexity",
             "recall of the oracle's rows",
             "rows copied per update",
+            "mask cost (share of the dense MLP's multiply-adds)",
             "fit s (1 thread, shared machine)",
         ],
         rows,
@@ -139,13 +174,20 @@ def main(quick: bool, fractions=(0.25, 0.5, 0.75), tokens: int = DOCS_TOKENS) ->
         f"{CALIBRATION.count(' ') + 1}-word text of benchmarks/texts.py followed by "
         f"{calibration.shape[1] - len(tokenizer(CALIBRATION).input_ids)} tokens the dense "
         f"model samples from its opening (seed 0, top-k 50), {calibration.shape[1]} tokens "
-        f"in all; lowrank uses rank 128. trained: per layer x -> rank {train.rank} -> N "
-        "logits, least squares on log(|silu(gate x) * up x| + 1e-6) reduced to that rank, "
-        f"fitted once for every fraction on the first {docs.shape[1]} tokens of Python's "
-        "pydoc_data.topics (sequences of 512 tokens); its fit s is the forward pass over "
-        "those tokens and the fit, on a shared machine. cats computes the gate densely "
-        "(top-k |silu(gate x)|). Every MLP runs token by token (one mask per token, as in "
-        "decoding); fixed runs one mask for all tokens.",
+        f"in all; lowrank uses rank {DEFAULT_RANK}. trained (the default, gated kind): the "
+        f"gate computed exactly, up x predicted at rank {ranks['gated']} (its top principal "
+        "directions on the calibration inputs), rows scored by |silu(gate x)| * E|up x| "
+        "given that prediction and the spread rank r leaves out; trained-linear (Deja "
+        f"Vu): x -> rank {ranks['linear']} -> N logits, least squares on "
+        "log(|silu(gate x) * up x| + 1e-6) reduced to that rank. Both fitted once for every "
+        f"fraction on the first {docs.shape[1]} tokens of Python's pydoc_data.topics "
+        "(sequences of 512 tokens); fit s is the forward pass over those tokens and the "
+        "fit, on a shared machine. cats computes the gate densely (top-k |silu(gate x)|). "
+        "Mask cost: multiply-adds per token to choose the rows (oracle 2 N hidden, cats N "
+        "hidden, gated N hidden + r (hidden + N), linear r (hidden + N), lowrank "
+        "2 r (hidden + N)) over the dense MLP's 3 N hidden; the rows' own matmuls come on "
+        "top. Every MLP runs token by token (one mask per token, as in decoding); fixed "
+        "runs one mask for all tokens.",
         save=not quick,
     )
 

@@ -25,7 +25,8 @@ def test_help_shows_defaults_and_registry_choices(capsys):
         build_parser().parse_args(["fit-predictor", "--help"])
     # One predictor file serves every --fraction of ask: fit-predictor takes none.
     out = capsys.readouterr().out
-    assert "(default: 128)" in out and "--fraction" not in out, out
+    assert "(default: gated 64, linear 128)" in out and "--fraction" not in out, out
+    assert "(default: gated)" in out and "(default: None)" not in out, out
 
 
 def test_an_unknown_source_is_an_argparse_error(capsys):

@@ -1,5 +1,5 @@
 """``paired-cache`` command line: ``convert`` writes a model's neuron pools to a pool file;
-``fit-predictor`` fits the Deja Vu predictors (one file for every fraction); ``ask`` answers a prompt with the model
+``fit-predictor`` fits the trained predictors (one file for every fraction); ``ask`` answers a prompt with the model
 loaded by ``load_sparse``. (The update microbenchmark is ``benchmarks/microbench.py``,
 outside the installed package.)
 
@@ -46,9 +46,14 @@ def _load_dense(model: str):
 
 def cmd_fit_predictor(args: argparse.Namespace) -> int:
     from paired_cache.model_io import _Progress
-    from paired_cache.trained_predictor import TrainConfig, fit_predictors, save_predictors
+    from paired_cache.trained_predictor import (
+        PARTS,
+        TrainConfig,
+        fit_predictors,
+        save_predictors,
+    )
 
-    config = TrainConfig(rank=args.rank)
+    config = TrainConfig(rank=getattr(args, "rank", None), kind=args.kind)
     text = Path(args.text).read_text(encoding="utf-8")
     model, tokenizer = _load_dense(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -56,7 +61,10 @@ def cmd_fit_predictor(args: argparse.Namespace) -> int:
     progress = None if args.quiet else _Progress(layers)
     predictors = fit_predictors(model, ids, config, progress=progress)
     save_predictors(args.out, predictors)
-    print(f"{args.out}: {len(predictors)} predictors, rank {args.rank}, {ids.shape[1]} tokens")
+    rank = next(iter(predictors.values()))[PARTS[args.kind][0]].shape[1]
+    print(
+        f"{args.out}: {len(predictors)} {args.kind} predictors, rank {rank}, {ids.shape[1]} tokens"
+    )
     return 0
 
 
@@ -98,13 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     fit = sub.add_parser(
         "fit-predictor",
-        help="fit the Deja Vu predictor of every MLP from a calibration text (any fraction)",
+        help="fit the trained predictor of every MLP from a calibration text (any fraction)",
         formatter_class=fmt,
     )
     fit.add_argument("model", help="a HF model directory (config.json, *.safetensors) or .gguf")
     fit.add_argument("text", help="a UTF-8 calibration text file")
     fit.add_argument("out", help="the .safetensors file to write, beside the pool file")
-    fit.add_argument("--rank", type=int, default=128, help="predictor rank")
+    fit.add_argument(
+        "--kind",
+        choices=("gated", "linear"),
+        default="gated",
+        help="gated: the gate computed exactly, up x predicted at low rank (holds quality); "
+        "linear: x -> rank -> N logits, no gate (Deja Vu)",
+    )
+    fit.add_argument(
+        "--rank",
+        type=int,
+        default=argparse.SUPPRESS,  # not "(default: None)": the default depends on --kind
+        help="predictor rank (default: gated 64, linear 128)",
+    )
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     fit.set_defaults(func=cmd_fit_predictor)
 

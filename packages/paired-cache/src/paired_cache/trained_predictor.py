@@ -1,29 +1,34 @@
-"""The Deja Vu predictor: per MLP, a small low-rank network that scores each neuron for a
-token, fitted to the oracle's scores on a calibration text.
+"""Trained predictors: per MLP, a small network fitted on a calibration text to pick the
+neurons the oracle (top-k |act(gate x) * up x|) would keep for a token. Two kinds, both
+fitted in closed form from sums over the calibration tokens (so any number of tokens fits
+in a few MiB per layer), and one predictor serves every fraction (the top k of the same
+scores):
 
-For each layer, logits = (x @ proj_in) @ proj_out + bias with proj_in (hidden, r),
-proj_out (r, N), bias (N,): x -> rank r -> N logits, and the source keeps the k rows with
-the largest logits per token. The logits are fitted by least squares to
-log(|act(gate x) * up x| + LOG_EPS), the log of the score the oracle ranks by, and the
-fit is reduced to rank r (reduced-rank regression: the rank-r map whose outputs are
-closest to the full least-squares fit's on the calibration inputs). The fit is closed
-form and streams: it needs only X^T X and X^T Z over the calibration tokens, so any
-number of tokens fits in a few MiB per layer, and one predictor serves every fraction
-(top-k of the same logits). Cost per token: r (hidden + N) multiply-adds, against
-2 hidden N for computing gate and up densely. Saved with safetensors beside the pool file.
+- "gated" (the default): the gate is computed exactly, as CATS does (the gate stays
+  resident), and up x is predicted at rank r: u_hat = (x @ up_in) @ up_out, the rank-r map
+  closest to up on the calibration inputs (the top r principal directions of up x). The
+  score is |act(gate x)| * E|u|, the expected magnitude of up x given u_hat and the spread
+  of what rank r leaves out (up_sd, per neuron, from the same sums): a neuron whose up x
+  rank r captures badly is not dropped for a small u_hat. Cost per token: N hidden (the
+  gate) + r (hidden + N) multiply-adds, against 2 N hidden for gate and up densely.
+  Measured on SmolLM2-135M at 50% active rows, rank 64 (benchmarks/quality.py):
+  perplexity 31.1 against dense 28.0, oracle 29.3, CATS 40.0 and the linear kind 91.
+- "linear" (the Deja Vu recipe): logits = (x @ proj_in) @ proj_out + bias, x -> rank r
+  -> N logits, the least-squares fit of log(|act(gate x) * up x| + LOG_EPS) reduced to
+  rank r (reduced-rank regression). It needs no gate, and costs r (hidden + N).
 
-Why not BCE against the top-k set, as Deja Vu does for ReLU models: on SmolLM2-135M at
-50% (layer 12), BCE with AdamW on ~1,000 calibration tokens recalled 0.78 of the oracle's
-rows on those tokens and 0.56 on held-out text (overfit); on 32,768 tokens 0.69 and 0.63
-after 1,000 steps (149 s for one layer), the same as this closed form on the same tokens
-(0.69 and 0.63, seconds). Even a full-rank affine map fitted on 32,768 tokens recalls
-only 0.72 on them: |act(gate x) * up x| is not monotone in any linear function of x (the
-sign of up x drops out), so a linear predictor of a SwiGLU MLP has a ceiling below CATS,
-which computes the gate exactly.
+Why the linear kind is not the default: |act(gate x) * up x| is not monotone in any
+linear function of x (the sign of up x drops out), so a linear predictor of a SwiGLU MLP
+has a ceiling below CATS. On SmolLM2-135M at 50% (layer 12), BCE with AdamW (Deja Vu's
+loss) on ~1,000 calibration tokens recalled 0.78 of the oracle's rows on those tokens and
+0.56 on held-out text (overfit); on 32,768 tokens 0.69 and 0.63 after 1,000 steps (149 s
+for one layer), the same as the closed form on the same tokens (seconds). Even a
+full-rank affine map fitted on 32,768 tokens recalls only 0.72 on them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,25 +38,45 @@ import torch
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import Activation, MaskSource, _top_k_mask
 
-FORMAT = "paired-cache-predictor-1"
+FORMAT = "paired-cache-predictor-1"  # linear predictors only, as 0.6-0.7 wrote
+FORMAT_GATED = "paired-cache-predictor-2"  # any gated predictor: 0.7 cannot read it
+KINDS = ("gated", "linear")
+PARTS = {"gated": ("up_in", "up_out", "up_sd"), "linear": ("proj_in", "proj_out", "bias")}
+DEFAULT_RANKS = {"gated": 64, "linear": 128}
 LOG_EPS = 1e-6  # log(|h| + LOG_EPS): rows that are exactly zero get a finite target
 WINDOW = 512  # calibration tokens per sequence in fit_predictors
 
 
 @dataclass
 class TrainConfig:
-    """rank: r of the predictor, in [1, min(hidden, N)]; ridge: the least-squares
-    regulariser, relative to the mean of diag(X^T X), >= 0."""
+    """rank: r of the predictor, in [1, min(hidden, N)]; None: DEFAULT_RANKS[kind] (gated
+    64, linear 128), capped at min(hidden, N). ridge: the linear kind's least-squares
+    regulariser, relative to the mean of diag(X^T X), >= 0. kind: "gated" or "linear"
+    (see the module's docstring)."""
 
-    rank: int = 128
+    rank: int | None = None
     ridge: float = 1e-2
+    kind: str = "gated"
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise PairedCacheError(f"rank must be an int >= 1, got {self.rank!r}")
+        if self.kind not in KINDS:
+            raise PairedCacheError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        rank = self.rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise PairedCacheError(f"rank must be an int >= 1 or None, got {rank!r}")
         ridge = self.ridge
         if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not 0 <= ridge < 1e30:
             raise PairedCacheError(f"ridge must be a finite number >= 0, got {ridge!r}")
+
+    def rank_for(self, n: int, hidden: int) -> int:
+        """The rank this config fits for an MLP of N rows and `hidden` inputs."""
+        if self.rank is None:
+            return min(DEFAULT_RANKS[self.kind], hidden, n)
+        if self.rank > min(hidden, n):
+            raise PairedCacheError(
+                f"rank must be in [1, min(hidden, N)={min(hidden, n)}], got {self.rank}"
+            )
+        return self.rank
 
 
 def oracle_scores(
@@ -73,19 +98,24 @@ def oracle_labels(
 
 class PredictorFit:
     """The sums one layer's fit needs, accumulated over batches of calibration inputs:
-    X^T X and X^T Z (float64) with X = [x, 1] (T, hidden + 1) and Z = log(|h| + LOG_EPS)
-    (T, N). gate, up: (N, hidden), the MLP's weights."""
+    X^T X (float64) with X = [x, 1] (T, hidden + 1), and for the linear kind X^T Z with
+    Z = log(|h| + LOG_EPS) (T, N). gate, up: (N, hidden), the MLP's weights."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, act: Activation) -> None:
+    def __init__(
+        self, gate: torch.Tensor, up: torch.Tensor, act: Activation, kind: str = "gated"
+    ) -> None:
         if gate.dim() != 2 or gate.shape != up.shape:
             raise PairedCacheError(
                 f"gate and up must be (N, hidden) of one shape, got {tuple(gate.shape)} "
                 f"and {tuple(up.shape)}"
             )
-        self.gate, self.up, self.act = gate.float(), up.float(), act
+        if kind not in KINDS:
+            raise PairedCacheError(f"kind must be one of {KINDS}, got {kind!r}")
+        self.gate, self.up, self.act, self.kind = gate.float(), up.float(), act, kind
         n, hidden = gate.shape
         self.xtx = torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64)
-        self.xtz = torch.zeros(hidden + 1, n, dtype=torch.float64)
+        # The gated kind needs only X^T X: no oracle scores to compute.
+        self.xtz = torch.zeros(hidden + 1, n, dtype=torch.float64) if kind == "linear" else None
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -96,32 +126,56 @@ class PredictorFit:
                 f"calibration has shape {tuple(x.shape)}, expected (T, {hidden})"
             )
         x = x.float()
-        z = torch.log(oracle_scores(self.gate, self.up, self.act, x) + LOG_EPS)  # (T, N)
         xa = torch.cat([x, torch.ones(x.shape[0], 1)], dim=1).double()  # (T, hidden + 1)
         self.xtx += xa.T @ xa
-        self.xtz += xa.T @ z.double()
+        if self.xtz is not None:
+            z = torch.log(oracle_scores(self.gate, self.up, self.act, x) + LOG_EPS)  # (T, N)
+            self.xtz += xa.T @ z.double()
         self.tokens += x.shape[0]
 
     def solve(self, config: TrainConfig | None = None) -> dict[str, torch.Tensor]:
-        """{"proj_in": (hidden, r), "proj_out": (r, N), "bias": (N,)} float32."""
-        config = TrainConfig() if config is None else config
-        n, hidden = self.gate.shape
-        if config.rank > min(hidden, n):
+        """The predictor's weights (PARTS[kind]), float32: gated {"up_in": (hidden, r),
+        "up_out": (r, N), "up_sd": (N,)}, linear {"proj_in": (hidden, r), "proj_out":
+        (r, N), "bias": (N,)}."""
+        config = TrainConfig(kind=self.kind) if config is None else config
+        if config.kind != self.kind:
             raise PairedCacheError(
-                f"rank must be in [1, min(hidden, N)={min(hidden, n)}], got {config.rank}"
+                f"these sums were accumulated for a {self.kind!r} predictor, the config asks "
+                f"for {config.kind!r}"
             )
+        n, hidden = self.gate.shape
+        rank = config.rank_for(n, hidden)
         if self.tokens == 0:
             raise PairedCacheError("no calibration inputs were added")
+        if self.kind == "gated":
+            return self._solve_gated(rank)
         eye = torch.eye(hidden + 1, dtype=torch.float64)
         reg = self.xtx + config.ridge * float(self.xtx.diagonal().mean()) * eye
         b = torch.linalg.solve(reg, self.xtz)  # (hidden + 1, N), the full-rank fit
         # Rank r: project the fit's outputs on their top r right singular vectors, the
         # top eigenvectors of (X B)^T (X B) = B^T X^T X B.
-        v = torch.linalg.eigh(b.T @ self.xtx @ b).eigenvectors[:, -config.rank :]  # (N, r)
+        v = torch.linalg.eigh(b.T @ self.xtx @ b).eigenvectors[:, -rank:]  # (N, r)
         return {
             "proj_in": (b[:hidden] @ v).float().contiguous(),
             "proj_out": v.T.float().contiguous(),
             "bias": (b[hidden] @ v @ v.T).float().contiguous(),
+        }
+
+    def _solve_gated(self, rank: int) -> dict[str, torch.Tensor]:
+        hidden = self.gate.shape[1]
+        up = self.up.double()
+        # Sum over the tokens of (up x)(up x)^T: its top r eigenvectors V span the rank-r
+        # subspace closest to up's outputs; u_hat = V V^T up x.
+        second = up @ self.xtx[:hidden, :hidden] @ up.T  # (N, N)
+        values, vectors = torch.linalg.eigh(second)
+        v, kept = vectors[:, -rank:], values[-rank:]
+        # Per neuron, the mean square of what rank r leaves out: diag((I - V V^T) S (I -
+        # V V^T)) = diag(S) - sum_j lambda_j v_ij^2.
+        left = (second.diagonal() - (v * v) @ kept).clamp_min(0) / self.tokens
+        return {
+            "up_in": (up.T @ v).float().contiguous(),
+            "up_out": v.T.float().contiguous(),
+            "up_sd": left.sqrt().float().contiguous(),
         }
 
 
@@ -132,24 +186,44 @@ def fit_predictor(
     calibration: torch.Tensor,
     config: TrainConfig | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fit one layer's predictor on calibration (T, hidden) inputs of this MLP; returns
-    {"proj_in": (hidden, r), "proj_out": (r, N), "bias": (N,)} float32, for any fraction."""
+    """Fit one layer's predictor on calibration (T, hidden) inputs of this MLP; returns its
+    weights (PARTS[config.kind], float32), for any fraction."""
     config = TrainConfig() if config is None else config
-    fit = PredictorFit(gate, up, act)
-    n, hidden = fit.gate.shape
-    if config.rank > min(hidden, n):  # before the work, not after
-        raise PairedCacheError(
-            f"rank must be in [1, min(hidden, N)={min(hidden, n)}], got {config.rank}"
-        )
+    fit = PredictorFit(gate, up, act, config.kind)
+    config.rank_for(*fit.gate.shape)  # before the work, not after
     fit.add(calibration)
     return fit.solve(config)
 
 
-class TrainedPredictor(MaskSource):
-    """The k rows with the largest predicted logits: (x @ proj_in) @ proj_out + bias.
+def expected_abs(mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    """E|u| for u ~ Normal(mean, sd^2), elementwise: sd sqrt(2/pi) exp(-z^2/2) + mean
+    erf(z/sqrt 2), z = mean/sd; |mean| where sd is 0."""
+    sd = sd.clamp_min(torch.finfo(sd.dtype).tiny)
+    z = mean / sd
+    return sd * math.sqrt(2 / math.pi) * torch.exp(-0.5 * z * z) + mean * torch.erf(
+        z * (1 / math.sqrt(2))
+    )
 
-    weights: {"proj_in": (hidden, r), "proj_out": (r, N), "bias": (N,)} from fit_predictor
-    or load_predictors.
+
+def predictor_kind(weights: dict[str, torch.Tensor]) -> str:
+    """ "gated" or "linear", from the names of a predictor's weights."""
+    for kind, parts in PARTS.items():
+        if isinstance(weights, dict) and set(weights) == set(parts):
+            return kind
+    got = sorted(weights) if isinstance(weights, dict) else type(weights).__name__
+    raise PairedCacheError(
+        f"predictor weights must be {{'up_in', 'up_out', 'up_sd'}} (gated) or {{'proj_in', "
+        f"'proj_out', 'bias'}} (linear), from fit_predictor or load_predictors; got {got}"
+    )
+
+
+class TrainedPredictor(MaskSource):
+    """The k rows with the largest predicted scores.
+
+    weights: from fit_predictor or load_predictors, of either kind: gated {"up_in":
+    (hidden, r), "up_out": (r, N), "up_sd": (N,)} scores |act(gate x)| * E|up x| (gate is
+    read in full every token, as CATS does); linear {"proj_in": (hidden, r), "proj_out":
+    (r, N), "bias": (N,)} scores (x @ proj_in) @ proj_out + bias.
     """
 
     def __init__(
@@ -162,25 +236,36 @@ class TrainedPredictor(MaskSource):
     ) -> None:
         super().__init__(gate.shape[0], fraction)
         n, hidden = gate.shape
-        if not isinstance(weights, dict) or set(weights) != {"proj_in", "proj_out", "bias"}:
+        if weights is None:
             raise PairedCacheError(
-                "mask source 'trained' needs weights={'proj_in', 'proj_out', 'bias'} "
-                "(fit_predictor, or load_predictors of a saved file)"
+                "mask source 'trained' needs weights= (fit_predictor, or load_predictors of "
+                "a saved file)"
             )
-        p_in, p_out, bias = weights["proj_in"], weights["proj_out"], weights["bias"]
+        self.kind = predictor_kind(weights)
+        p_in, p_out, vec = (weights[part] for part in PARTS[self.kind])
         r = p_in.shape[-1] if p_in.dim() == 2 else -1
-        if p_in.shape != (hidden, r) or p_out.shape != (r, n) or bias.shape != (n,):
+        if p_in.shape != (hidden, r) or p_out.shape != (r, n) or vec.shape != (n,):
+            names = PARTS[self.kind]
             raise PairedCacheError(
-                f"predictor weights proj_in {tuple(p_in.shape)}, proj_out {tuple(p_out.shape)}, "
-                f"bias {tuple(bias.shape)} do not fit hidden={hidden}, N={n}"
+                f"predictor weights {names[0]} {tuple(p_in.shape)}, {names[1]} "
+                f"{tuple(p_out.shape)}, {names[2]} {tuple(vec.shape)} do not fit "
+                f"hidden={hidden}, N={n}"
             )
-        self.proj_in, self.proj_out, self.bias = (
-            t.float().contiguous() for t in (p_in, p_out, bias)
-        )
+        self.proj_in, self.proj_out, vec = (t.float().contiguous() for t in (p_in, p_out, vec))
+        if self.kind == "gated":
+            if not bool(torch.isfinite(vec).all()) or bool((vec < 0).any()):
+                raise PairedCacheError("predictor weights up_sd must be finite and >= 0")
+            self.gate, self.act, self.up_sd = gate, act, vec
+        else:
+            self.bias = vec
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.addmv(self.bias, self.proj_out.T, x.float() @ self.proj_in)  # (N,)
-        return _top_k_mask(logits, self.k)
+        if self.kind == "linear":
+            logits = torch.addmv(self.bias, self.proj_out.T, x.float() @ self.proj_in)  # (N,)
+            return _top_k_mask(logits, self.k)
+        gate = self.act(self.gate @ x.to(self.gate.dtype)).abs().float()  # (N,)
+        up = (x.float() @ self.proj_in) @ self.proj_out  # (N,), u_hat
+        return _top_k_mask(gate * expected_abs(up, self.up_sd), self.k)
 
 
 def fit_predictors(
@@ -211,13 +296,12 @@ def fit_predictors(
     hooks = []
     for name, module in model.named_modules():
         if is_gated_mlp(module):
-            n, hidden = module.gate_proj.weight.shape
-            if config.rank > min(hidden, n):
-                raise PairedCacheError(
-                    f"rank must be in [1, min(hidden, N)={min(hidden, n)}], got {config.rank}"
-                )
+            config.rank_for(*module.gate_proj.weight.shape)
             fits[name] = PredictorFit(
-                module.gate_proj.weight.detach(), module.up_proj.weight.detach(), module.act_fn
+                module.gate_proj.weight.detach(),
+                module.up_proj.weight.detach(),
+                module.act_fn,
+                config.kind,
             )
 
             def hook(_module, args, fit=fits[name]):
@@ -257,13 +341,16 @@ def save_predictors(
     from paired_cache.pool_file import umask_mode
 
     path = Path(path)
+    kinds = {name: predictor_kind(w) for name, w in predictors.items()}  # before writing
+    # A file of linear predictors only keeps 0.6-0.7's format, which they can read.
+    fmt = FORMAT_GATED if "gated" in kinds.values() else FORMAT
     tensors = {
         f"{name}.{part}": t.contiguous() for name, w in predictors.items() for part, t in w.items()
     }
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"format": FORMAT})
+        save_file(tensors, tmp, metadata={"format": fmt})
         os.chmod(tmp, umask_mode())  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
@@ -278,8 +365,11 @@ def load_predictors(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor
     out: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("format") != FORMAT:
-                raise PairedCacheError(f"{path}: not a paired-cache predictor file ({FORMAT})")
+            fmt = (f.metadata() or {}).get("format")
+            if fmt not in (FORMAT, FORMAT_GATED):
+                raise PairedCacheError(
+                    f"{path}: not a paired-cache predictor file ({FORMAT} or {FORMAT_GATED})"
+                )
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 name, _, part = key.rpartition(".")
                 out.setdefault(name, {})[part] = f.get_tensor(key)
@@ -287,6 +377,13 @@ def load_predictors(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor
         if isinstance(exc, PairedCacheError):
             raise
         raise PairedCacheError(f"{path}: cannot read predictors ({exc})") from None
+    for name, weights in out.items():
+        try:
+            kind = predictor_kind(weights)
+        except PairedCacheError as exc:
+            raise PairedCacheError(f"{path}: {name}: {exc}") from None
+        if kind == "gated" and fmt == FORMAT:
+            raise PairedCacheError(f"{path}: {name} is a gated predictor in a {FORMAT} file")
     return out
 
 
@@ -296,14 +393,17 @@ def recall(predicted: torch.Tensor, oracle: torch.Tensor) -> float:
 
 
 __all__ = [
+    "KINDS",
     "PredictorFit",
     "TrainConfig",
     "TrainedPredictor",
+    "expected_abs",
     "fit_predictor",
     "fit_predictors",
     "load_predictors",
     "oracle_labels",
     "oracle_scores",
+    "predictor_kind",
     "recall",
     "save_predictors",
 ]
