@@ -48,7 +48,8 @@ def decode(model, prompt: torch.Tensor, tokens: int, on_prefilled=None) -> float
 
 def breakdown(model, prompt: torch.Tensor, tokens: int) -> dict[str, float]:
     """Microseconds per token spent in each SparseMLP part, summed over layers, and the
-    whole token: wraps source.select, cache.update and _active_forward of every MLP."""
+    whole token: wraps source.select_with_gate, cache.update and _active_forward of every
+    MLP."""
     totals = {"mask": 0.0, "update": 0.0, "matmul": 0.0}
     mlps = [layer.mlp for layer in model.model.layers]
 
@@ -62,7 +63,8 @@ def breakdown(model, prompt: torch.Tensor, tokens: int) -> dict[str, float]:
         return wrapper
 
     for m in mlps:
-        m.source.select = timed(m.source.select, "mask")
+        # What SparseMLP calls per token: the mask, and the gate when the source computed it.
+        m.source.select_with_gate = timed(m.source.select_with_gate, "mask")
         m.cache.update = timed(m.cache.update, "update")
         m._active_forward = timed(m._active_forward, "matmul")
 

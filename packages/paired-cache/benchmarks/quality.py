@@ -74,16 +74,19 @@ def record_recall(mlps) -> list[list[float]]:
         gate, up = m.cache.gate_pool, m.cache.up_pool
         oracle = OracleTopK(gate, up, m.act_fn, m.source.fraction)
         oracle.k = m.source.k
-        select = m.source.select
+        # What SparseMLP calls: select_with_gate per token, select for a shared mask.
+        method = "select_with_gate" if m.source.per_token else "select"
+        select = getattr(m.source, method)
 
         def counted(x, select=select, oracle=oracle, tally=hits[i]):
-            mask = select(x)
+            result = select(x)
+            mask = result[0] if isinstance(result, tuple) else result
             want = oracle.select(x)
             tally[0] += int((mask & want).sum())
             tally[1] += int(want.sum())
-            return mask
+            return result
 
-        m.source.select = counted
+        setattr(m.source, method, counted)
     return hits
 
 

@@ -123,6 +123,34 @@ def test_every_source_selects_k_rows(name):
     assert int(mask.sum()) == source.k == active_rows(0.3, N) == 14
 
 
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("kind", ["cats", "gated", "linear"])
+def test_sources_that_compute_the_gate_give_the_masked_dense_mlp(kind, window):
+    # CATS and the gated predictor hand SparseMLP the act(gate x) they scored with, and the
+    # active rows then read only their up rows; the output must still be the dense MLP
+    # with the other neurons zeroed, the gate taken at the right rows after every paired
+    # update (rows move inside the active buffers), with and without a window.
+    mlp = GatedMLP(seed=4)
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    options = {}
+    if kind != "cats":
+        config = TrainConfig(rank=4, kind=kind)
+        calibration = torch.randn(64, H, dtype=torch.float64)
+        options["weights"] = fit_predictor(g, u, mlp.act_fn, calibration, config)
+    source = "cats" if kind == "cats" else "trained"
+    sparse = SparseMLP.from_mlp(mlp, source, 0.3, window=window, **options)
+    computes_gate = kind != "linear"
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for t in range(x.shape[0]):
+        mask, gate = sparse.source.select_with_gate(x[t])
+        assert (gate is not None) == computes_gate
+        if computes_gate:
+            torch.testing.assert_close(gate, mlp.act_fn(g @ x[t]), rtol=1e-12, atol=1e-12)
+        got = sparse(x[t : t + 1])
+        torch.testing.assert_close(got, mlp.masked(x[t : t + 1], mask), rtol=1e-12, atol=1e-12)
+    sparse.cache.check_valid()
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

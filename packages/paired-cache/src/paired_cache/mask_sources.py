@@ -53,6 +53,12 @@ class MaskSource(ABC):
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """x: (hidden,) float, one token's MLP input -> (N,) bool mask with k rows set."""
 
+    def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """select(x), and act(gate x) (N,) in the gate's dtype when the source computed it
+        for its scores (CATS, the gated trained predictor), else None: SparseMLP then
+        reads only the up rows of the active set instead of computing the gate twice."""
+        return self.select(x), None
+
     @classmethod
     def build(
         cls,
@@ -112,14 +118,18 @@ class CatsMask(MaskSource):
         self.gate, self.act, self.threshold = gate, act, threshold
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.act(self.gate @ x.to(self.gate.dtype)).abs().float()  # (N,)
+        return self.select_with_gate(x)[0]
+
+    def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
+        scores = gate.abs().float()
         if self.threshold is None:
-            return _top_k_mask(scores, self.k)
+            return _top_k_mask(scores, self.k), gate
         mask = scores >= self.threshold
         count = int(mask.sum())
         if count > self.k:  # more than the cache holds: the k strongest of them
-            return _top_k_mask(scores, self.k)
-        return mask if count else _top_k_mask(scores, 1)
+            return _top_k_mask(scores, self.k), gate
+        return (mask if count else _top_k_mask(scores, 1)), gate
 
 
 class LowRankPredictor(MaskSource):

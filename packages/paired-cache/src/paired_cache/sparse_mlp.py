@@ -184,17 +184,29 @@ class SparseMLP(nn.Module):
         )
         return cls(cache, act, src, window)
 
-    def _active_forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def _active_forward(
+        self,
+        x: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden) over the m active rows; keep: (N,) bool, the rows
-        this token's mask picked when the window keeps more rows resident."""
+        this token's mask picked when the window keeps more rows resident; gate: (N,)
+        act(gate x) of the one token x, when the mask source computed it (then only the up
+        rows of the active set are read)."""
         m, hidden = self.cache.num_active, self.cache.gate_cols
-        gate_up = self.cache.gate_up().view(2 * m, hidden)  # rows g_0, u_0, g_1, u_1, ...
-        h2 = F.linear(x, gate_up).view(x.shape[0], m, 2)  # (T, m, 2)
-        # The activation gets a contiguous copy of the gate column: on a strided input torch
-        # takes its scalar loop, whose exp rounds differently from the vectorised one that
-        # the dense MLP's contiguous gate output gets, and that last-bit difference grows
-        # through the layers (1.6e-4 in SmolLM2's float32 logits).
-        h = self.act_fn(h2[..., 0].contiguous()) * h2[..., 1]  # (T, m)
+        if gate is not None:
+            # The mask source read every gate row already: take its values at the active
+            # rows, and multiply x by the active up rows only (a strided view, no copy).
+            h = gate[self.cache._indices[:m]] * F.linear(x, self.cache.up())  # (1, m)
+        else:
+            gate_up = self.cache.gate_up().view(2 * m, hidden)  # rows g_0, u_0, g_1, u_1, ...
+            h2 = F.linear(x, gate_up).view(x.shape[0], m, 2)  # (T, m, 2)
+            # The activation gets a contiguous copy of the gate column: on a strided input
+            # torch takes its scalar loop, whose exp rounds differently from the vectorised
+            # one that the dense MLP's contiguous gate output gets, and that last-bit
+            # difference grows through the layers (1.6e-4 in SmolLM2's float32 logits).
+            h = self.act_fn(h2[..., 0].contiguous()) * h2[..., 1]  # (T, m)
         if keep is not None:
             # Resident rows that this token's mask did not pick count as zero, so that the
             # window changes what is read from the pool, not what the MLP computes.
@@ -212,10 +224,10 @@ class SparseMLP(nn.Module):
             out = torch.empty_like(flat)
             # One mask per token, as in decoding: a prompt runs token by token here.
             for t in range(flat.shape[0]):
-                mask = self.source.select(flat[t])
+                mask, gate = self.source.select_with_gate(flat[t])
                 self._update(self._resident_mask(mask))
                 keep = mask if self.window > 1 else None
-                out[t] = self._active_forward(flat[t : t + 1], keep)[0]
+                out[t] = self._active_forward(flat[t : t + 1], keep, gate)[0]
             self.tokens += flat.shape[0]
         return out.view(shape).to(x.dtype)
 

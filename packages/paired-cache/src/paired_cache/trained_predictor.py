@@ -260,12 +260,16 @@ class TrainedPredictor(MaskSource):
             self.bias = vec
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
+        return self.select_with_gate(x)[0]
+
+    def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.kind == "linear":
             logits = torch.addmv(self.bias, self.proj_out.T, x.float() @ self.proj_in)  # (N,)
-            return _top_k_mask(logits, self.k)
-        gate = self.act(self.gate @ x.to(self.gate.dtype)).abs().float()  # (N,)
+            return _top_k_mask(logits, self.k), None
+        gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
         up = (x.float() @ self.proj_in) @ self.proj_out  # (N,), u_hat
-        return _top_k_mask(gate * expected_abs(up, self.up_sd), self.k)
+        scores = gate.abs().float() * expected_abs(up, self.up_sd)
+        return _top_k_mask(scores, self.k), gate
 
 
 def fit_predictors(
