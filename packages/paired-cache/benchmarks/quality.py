@@ -17,7 +17,7 @@ from texts import CALIBRATION, DOCS_TOKENS, HELD_OUT, docs_ids
 
 from paired_cache.mask_sources import DEFAULT_RANK, OracleTopK
 from paired_cache.sparse_mlp import sparsify_model
-from paired_cache.trained_predictor import TrainConfig, fit_predictors
+from paired_cache.trained_predictor import PARTS, TrainConfig, fit_predictors
 
 # (row name, registered source, predictor kind for "trained")
 SOURCES = (
@@ -112,7 +112,7 @@ def main(quick: bool, fractions=(0.25, 0.5, 0.75), tokens: int = DOCS_TOKENS) ->
         predictors[kind] = fit_predictors(model, docs, TrainConfig(kind=kind))
         fit_s[kind] = time.perf_counter() - start
         first = next(iter(predictors[kind].values()))
-        ranks[kind] = first["up_in" if kind == "gated" else "proj_in"].shape[1]
+        ranks[kind] = first[PARTS[kind][0]].shape[1]
         print(
             f"fitted {kind} predictors on {docs.shape[1]} tokens in {fit_s[kind]:.0f} s",
             file=sys.stderr,

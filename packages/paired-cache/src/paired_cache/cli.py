@@ -16,6 +16,7 @@ from pathlib import Path
 
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import MASK_SOURCES
+from paired_cache.trained_predictor import KINDS
 
 PROG = "paired-cache"
 
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("out", help="the .safetensors file to write, beside the pool file")
     fit.add_argument(
         "--kind",
-        choices=("gated", "linear"),
+        choices=KINDS,
         default="gated",
         help="gated: the gate computed exactly, up x predicted at low rank (holds quality); "
         "linear: x -> rank -> N logits, no gate (Deja Vu)",

@@ -40,11 +40,16 @@ from paired_cache.mask_sources import Activation, MaskSource, _top_k_mask
 
 FORMAT = "paired-cache-predictor-1"  # linear predictors only, as 0.6-0.7 wrote
 FORMAT_GATED = "paired-cache-predictor-2"  # any gated predictor: 0.7 cannot read it
-KINDS = ("gated", "linear")
 PARTS = {"gated": ("up_in", "up_out", "up_sd"), "linear": ("proj_in", "proj_out", "bias")}
+KINDS = tuple(PARTS)  # ("gated", "linear")
 DEFAULT_RANKS = {"gated": 64, "linear": 128}
 LOG_EPS = 1e-6  # log(|h| + LOG_EPS): rows that are exactly zero get a finite target
 WINDOW = 512  # calibration tokens per sequence in fit_predictors
+
+
+def check_kind(kind) -> None:
+    if kind not in KINDS:
+        raise PairedCacheError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
 @dataclass
@@ -59,8 +64,7 @@ class TrainConfig:
     kind: str = "gated"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise PairedCacheError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        check_kind(self.kind)
         rank = self.rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise PairedCacheError(f"rank must be an int >= 1 or None, got {rank!r}")
@@ -109,8 +113,7 @@ class PredictorFit:
                 f"gate and up must be (N, hidden) of one shape, got {tuple(gate.shape)} "
                 f"and {tuple(up.shape)}"
             )
-        if kind not in KINDS:
-            raise PairedCacheError(f"kind must be one of {KINDS}, got {kind!r}")
+        check_kind(kind)
         self.gate, self.up, self.act, self.kind = gate.float(), up.float(), act, kind
         n, hidden = gate.shape
         self.xtx = torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64)
