@@ -3,18 +3,12 @@ no dataset download). The two passages share no sentences. DOCS_TOKENS of Python
 documentation (the stdlib's pydoc_data.topics, English prose and code, shipped with every
 CPython) calibrate the trained predictor; it shares no sentences with HELD_OUT either."""
 
+from paired_cache.trained_predictor import python_docs_ids
+
 DOCS_TOKENS = 16384  # 32 sequences of 512 tokens
 
 
-def docs_ids(tokenizer, tokens: int = DOCS_TOKENS):
-    """The first `tokens` token ids (1, tokens) of pydoc_data.topics, topics in name order."""
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    if ids.shape[1] < tokens:
-        raise ValueError(f"pydoc_data.topics holds {ids.shape[1]} tokens, {tokens} asked")
-    return ids[:, :tokens]
+docs_ids = python_docs_ids  # (1, tokens) ids of pydoc_data.topics, topics in name order
 
 
 CALIBRATION = (

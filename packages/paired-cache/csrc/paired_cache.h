@@ -10,7 +10,8 @@
  *                                 gate_cols == 0), up row and down_T row (down[hidden, N]
  *                                 transposed) back to back, the row stride padded to a
  *                                 multiple of 64 bytes (and of elem_size)
- *   active_gate_up[capacity, gate_cols + up_cols]   gate row then up row, interleaved
+ *   active_gate_up[capacity, gate_cols + up_cols]   gate row then up row, interleaved; with
+ *                                 skip_gate, [capacity, up_cols]: the up rows only
  *   active_down_T[capacity, hidden]
  *   active_indices[capacity]      row id at each packed position
  *   index_to_position[N]          position of each row id, -1 when absent
@@ -39,6 +40,9 @@ typedef struct {
     int64_t grain;         /* rows per parallel chunk */
     int64_t par_threshold; /* fewer rows than this are copied by the calling thread */
     int64_t num_threads;   /* threads for row copies, the caller included; >= 1 */
+    int64_t skip_gate;     /* 1: the active buffers leave the gate rows in the pool (for a
+                            * caller that computes the gate from the pool itself); needs
+                            * gate_cols >= 1. 0: they hold gate | up per row */
 } pc_config;
 
 typedef struct {

@@ -66,7 +66,8 @@ static int config_ok(const pc_config *c) {
            c->hidden >= 1 && c->hidden <= INT32_MAX && c->elem_size >= 1 && c->elem_size <= 16 && c->capacity >= 1 &&
            c->capacity <= c->n_rows && !isnan(c->hybrid_tau) && c->hybrid_tau >= 0.0 &&
            c->grain >= 1 && c->par_threshold >= 0 && c->num_threads >= 1 &&
-           c->num_threads <= PC_MAX_THREADS;
+           c->num_threads <= PC_MAX_THREADS && (c->skip_gate == 0 || c->skip_gate == 1) &&
+           (c->skip_gate == 0 || c->gate_cols >= 1);
 }
 
 /* Bytes from one neuron's pool row to the next: its gate, up and down_T rows rounded up to a
@@ -113,7 +114,9 @@ static int create(const pc_config *config, const void *mapped_pool, pc_cache **o
     size_t row_stride = pool_row_stride(row_bytes, (size_t)c->elem_size);
     overflow |= row_stride < row_bytes;
     size_t pool_bytes = mul3(c->n_rows, (int64_t)row_stride, 1, &overflow);
-    size_t gate_up_bytes = mul3(c->capacity, c->gate_cols + c->up_cols, c->elem_size, &overflow);
+    int64_t active_gate_cols = c->skip_gate ? 0 : c->gate_cols;
+    size_t gate_up_bytes =
+        mul3(c->capacity, active_gate_cols + c->up_cols, c->elem_size, &overflow);
     size_t down_bytes = mul3(c->capacity, c->hidden, c->elem_size, &overflow);
     if (overflow) {
         return PC_ERR_CONFIG;
@@ -123,8 +126,10 @@ static int create(const pc_config *config, const void *mapped_pool, pc_cache **o
         return PC_ERR_NOMEM;
     }
     cache->cfg = *c;
-    cache->gate_up_row_bytes = (size_t)((c->gate_cols + c->up_cols) * c->elem_size);
+    cache->gate_up_row_bytes = (size_t)((active_gate_cols + c->up_cols) * c->elem_size);
     cache->down_row_bytes = (size_t)(c->hidden * c->elem_size);
+    cache->pool_gate_up_offset = (size_t)((c->gate_cols - active_gate_cols) * c->elem_size);
+    cache->pool_down_offset = (size_t)((c->gate_cols + c->up_cols) * c->elem_size);
     cache->pool_row_bytes = row_stride;
     size_t n = (size_t)c->n_rows;
     size_t cap = (size_t)c->capacity;
@@ -241,8 +246,8 @@ int pc_check_valid(const pc_cache *cache, char *message, size_t message_len) {
         const uint8_t *gate_up = cache->active_gate_up + (size_t)p * cache->gate_up_row_bytes;
         const uint8_t *down = cache->active_down_T + (size_t)p * cache->down_row_bytes;
         const uint8_t *row = cache->neuron_pool + (size_t)id * cache->pool_row_bytes;
-        if (memcmp(gate_up, row, cache->gate_up_row_bytes) != 0 ||
-            memcmp(down, row + cache->gate_up_row_bytes, cache->down_row_bytes) != 0) {
+        if (memcmp(gate_up, row + cache->pool_gate_up_offset, cache->gate_up_row_bytes) != 0 ||
+            memcmp(down, row + cache->pool_down_offset, cache->down_row_bytes) != 0) {
             FAIL("active row at position %lld differs from pool row %d", (long long)p, id);
         }
     }

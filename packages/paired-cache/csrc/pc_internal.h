@@ -26,14 +26,17 @@ typedef struct {
 
 struct pc_cache {
     pc_config cfg;
-    size_t gate_up_row_bytes; /* (gate_cols + up_cols) * elem_size */
+    size_t gate_up_row_bytes; /* (gate_cols + up_cols) * elem_size; up_cols * elem_size
+                               * with skip_gate */
     size_t down_row_bytes;
+    size_t pool_gate_up_offset; /* where a pool row's copied gate | up (or up) part starts */
+    size_t pool_down_offset;    /* where its down_T part starts */
     size_t pool_row_bytes; /* gate_up_row_bytes + down_row_bytes rounded up to a multiple
                             * of 64 and of elem_size: every pool row on a cache line */
 
     uint8_t *neuron_pool;    /* [N, pool_row_bytes]: gate | up | down_T per neuron */
     int pool_is_mapped;      /* 1: neuron_pool is the caller's (a file mapping), read only */
-    uint8_t *active_gate_up; /* [capacity, gate_cols + up_cols] */
+    uint8_t *active_gate_up; /* [capacity, gate_cols + up_cols], or [capacity, up_cols] */
     uint8_t *active_down_T;  /* [capacity, hidden] */
 
     int32_t *active_indices;    /* [capacity], first m valid */

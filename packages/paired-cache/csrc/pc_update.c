@@ -68,7 +68,8 @@ typedef struct {
 static inline void prefetch_pool_row(const pc_cache *c, const pc_copy *cp) {
 #if defined(__GNUC__) || defined(__clang__)
     if (cp->from_pool) {
-        const uint8_t *row = c->neuron_pool + (size_t)cp->src * c->pool_row_bytes;
+        const uint8_t *row =
+            c->neuron_pool + (size_t)cp->src * c->pool_row_bytes + c->pool_gate_up_offset;
         size_t bytes = c->gate_up_row_bytes + c->down_row_bytes;
         bytes = bytes < PC_PREFETCH_BYTES ? bytes : PC_PREFETCH_BYTES;
         for (size_t off = 0; off < bytes; off += 64) {
@@ -92,10 +93,10 @@ static void copy_rows(void *arg, int64_t begin, int64_t end) {
         uint8_t *gate_up = c->active_gate_up + (size_t)cp->dst * c->gate_up_row_bytes;
         uint8_t *down = c->active_down_T + (size_t)cp->dst * c->down_row_bytes;
         if (cp->from_pool) {
-            /* One contiguous source per neuron: gate | up, then down_T right after it. */
+            /* One contiguous source per neuron: gate | up (or up), then down_T right after. */
             const uint8_t *row = c->neuron_pool + (size_t)cp->src * c->pool_row_bytes;
-            memcpy(gate_up, row, c->gate_up_row_bytes);
-            memcpy(down, row + c->gate_up_row_bytes, c->down_row_bytes);
+            memcpy(gate_up, row + c->pool_gate_up_offset, c->gate_up_row_bytes);
+            memcpy(down, row + c->pool_down_offset, c->down_row_bytes);
         } else {
             memcpy(gate_up, c->active_gate_up + (size_t)cp->src * c->gate_up_row_bytes,
                    c->gate_up_row_bytes);

@@ -41,8 +41,11 @@ class CacheMachine(RuleBasedStateMachine):
         grain=st.integers(1, 8),
         seed=st.integers(0, 2**16),
         mapped=st.booleans(),
+        gate_rows=st.booleans(),
     )
-    def setup(self, dtype, with_gate, n, cols, capacity_frac, tau, threads, grain, seed, mapped):
+    def setup(
+        self, dtype, with_gate, n, cols, capacity_frac, tau, threads, grain, seed, mapped, gate_rows
+    ):
         gate_cols, up_cols, hidden = cols
         gate, up, _ = make_weights(n, up_cols, dtype, seed, gate_cols=gate_cols)
         down = torch.randn(hidden, n, generator=torch.Generator().manual_seed(seed + 1))
@@ -50,6 +53,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.gate, self.up, self.down = (gate if with_gate else None), up, down
         self.capacity = max(1, round(capacity_frac * n))
         self.tau = tau
+        # gate_rows=False: the active rows hold up and down only (needs a gate to leave out).
+        self.gate_rows = gate_rows = gate_rows or not with_gate
         config = CacheConfig(hybrid_tau=tau, grain=grain, par_threshold=2, num_threads=threads)
         if mapped:
             # The same cache over a pool file, mapped read-only: rows are copied from the
@@ -58,13 +63,15 @@ class CacheMachine(RuleBasedStateMachine):
             no_gate = torch.empty(n, 0, dtype=dtype)
             write_pool_file(path, [("mlp", gate if with_gate else no_gate, up, down)])
             self.cache = PairedCache.from_pool_file(
-                PoolFile(path), 0, capacity=self.capacity, config=config
+                PoolFile(path), 0, capacity=self.capacity, config=config, gate_rows=gate_rows
             )
             assert self.cache.pool_is_mapped
             path.unlink()  # the mapping keeps the data; nothing is left behind
             path.parent.rmdir()
         else:
-            self.cache = PairedCache(up, down, self.gate, capacity=self.capacity, config=config)
+            self.cache = PairedCache(
+                up, down, self.gate, capacity=self.capacity, config=config, gate_rows=gate_rows
+            )
             assert not self.cache.pool_is_mapped
         self.model = np.zeros(n, dtype=bool)
         self.updates = 0
@@ -139,9 +146,17 @@ class CacheMachine(RuleBasedStateMachine):
         positions = self.cache.index_to_position()
         assert torch.equal(positions[idx], torch.arange(idx.numel(), dtype=torch.int32))
         assert int((positions >= 0).sum()) == idx.numel()
-        if self.gate is not None:
+        if self.gate is not None and self.gate_rows:
             assert np.array_equal(as_bits(self.cache.gate()), as_bits(self.gate[idx]))
+        elif self.gate is not None:
+            with pytest.raises(ValueError, match=r"gate_rows=False"):
+                self.cache.gate()
         assert np.array_equal(as_bits(self.cache.up()), as_bits(self.up[idx]))
+        row = (self.cache.gate_cols if self.gate_rows else 0) + self.up.shape[1]
+        assert (
+            self.cache.active_bytes
+            == idx.numel() * (row + self.down.shape[0]) * self.up.element_size()
+        )
         assert np.array_equal(as_bits(self.cache.down()), as_bits(self.down[:, idx]))
         assert self.cache.stats.updates == self.updates
 

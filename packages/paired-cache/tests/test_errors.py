@@ -166,6 +166,20 @@ def test_gate_view_without_gate_is_an_error():
         c.gate()
 
 
+def test_gate_rows_false_needs_a_gate_and_refuses_gate_views():
+    gate, up, down = make_weights(N, H, gate_cols=H)
+    with pytest.raises(ValueError, match=r"gate_rows=False needs a gate to leave in the pool"):
+        PairedCache(up, down, gate_rows=False)
+    with pytest.raises(ValueError, match=r"gate_rows must be a bool, got 0"):
+        PairedCache(up, down, gate, gate_rows=0)
+    c = PairedCache(up, down, gate, capacity=4, gate_rows=False)
+    c.update(torch.arange(N) < 3)
+    for view in (c.gate, c.gate_up):
+        with pytest.raises(ValueError, match=r"keeps its gate in the pool only"):
+            view()
+    assert c.up().is_contiguous() and torch.equal(c.up(), up[:3])
+
+
 def test_check_valid_reports_a_corrupted_row(cache):
     cache.gate_up()[1, 0] += 1.0  # the view aliases the C buffer
     with pytest.raises(CacheInvariantError, match=r"position 1 differs from pool row"):

@@ -112,8 +112,11 @@ def test_load_sparse_answers_from_mapped_files(smollm2, model_dir, pool_path, fr
     assert "Paris" in answer, answer
     rss = mapping_rss(pool_path)
     assert rss["anonymous"] == 0 and rss["rss"] > 0
-    # What was read from the pool is counted: every update copies rows of 6912 bytes.
-    assert all(m.pool_bytes_read % 6912 == 0 and m.pool_bytes_read > 0 for m in mlps)
+    # What was read from the pool is counted. CATS reads the gate from the pool itself, so
+    # the active rows hold up and down only: every update copies rows of 2 x 576 x 4 bytes.
+    assert all(not m.cache.gate_rows for m in mlps)
+    assert all(m.pool_bytes_read % 4608 == 0 and m.pool_bytes_read > 0 for m in mlps)
+    assert all(m.cache.active_bytes == m.cache.num_active * 4608 for m in mlps)
 
 
 def test_load_sparse_refuses_a_pool_of_another_model(model_dir, tmp_path):
@@ -135,9 +138,17 @@ def test_trained_predictor_file_drives_load_sparse(model_dir, pool_path, france,
     model = load_sparse(model_dir, pool_path, "trained", 0.25, predictor=out)
     mlps = [layer.mlp for layer in model.model.layers]
     assert all(m.source.proj_in.shape == (576, 8) for m in mlps)
+    # The predictor's weights stay in the file's read-only mapping, as the pool does, and
+    # the gated kind computes the gate itself: the active rows hold no gate rows.
+    ranges = _file_ranges(out)
+    for m in mlps:
+        for t in (m.source.proj_in, m.source.proj_out, m.source.up_sd):
+            assert any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+        assert not m.cache.gate_rows
     with torch.no_grad():
         model(france[:, :4])
     assert all(m.cache.num_active == 384 and m.tokens == 4 for m in mlps)
+    assert mapping_rss(out)["anonymous"] == 0
     with pytest.raises(ValueError, match=r"not a paired-cache predictor file|cannot read"):
         load_sparse(model_dir, pool_path, "trained", 0.25, predictor=text)
 

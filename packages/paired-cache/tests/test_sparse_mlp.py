@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from paired_cache import PairedCache
 from paired_cache.mask_sources import (
     MASK_SOURCES,
     FixedMask,
@@ -140,6 +141,9 @@ def test_sources_that_compute_the_gate_give_the_masked_dense_mlp(kind, window):
     source = "cats" if kind == "cats" else "trained"
     sparse = SparseMLP.from_mlp(mlp, source, 0.3, window=window, **options)
     computes_gate = kind != "linear"
+    # A source that hands the gate over leaves the gate rows in the pool: 2/3 of the bytes.
+    assert sparse.cache.gate_rows == (not computes_gate)
+    assert sparse.cache.active_row_bytes == (2 + (not computes_gate)) * H * 8
     x = torch.randn(12, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     for t in range(x.shape[0]):
         mask, gate = sparse.source.select_with_gate(x[t])
@@ -149,6 +153,17 @@ def test_sources_that_compute_the_gate_give_the_masked_dense_mlp(kind, window):
         got = sparse(x[t : t + 1])
         torch.testing.assert_close(got, mlp.masked(x[t : t + 1], mask), rtol=1e-12, atol=1e-12)
     sparse.cache.check_valid()
+
+
+def test_a_cache_without_gate_rows_needs_a_source_that_gives_the_gate():
+    mlp = GatedMLP()
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    d = mlp.down_proj.weight.detach()
+    cache = PairedCache(u, d, g, capacity=N, gate_rows=False)
+    oracle = make_source("oracle", g, u, mlp.act_fn, 0.3)
+    with pytest.raises(ValueError, match=r"keeps no gate rows .* OracleTopK does not return"):
+        SparseMLP(cache, mlp.act_fn, oracle)
+    SparseMLP(cache, mlp.act_fn, make_source("cats", g, u, mlp.act_fn, 0.3))
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from paired_cache.trained_predictor import (
     fit_predictors,
     load_predictors,
     oracle_labels,
+    python_docs_ids,
     recall,
     save_predictors,
 )
@@ -114,14 +115,6 @@ def test_expected_abs_is_the_mean_of_a_folded_normal():
     assert expected_abs(mean, sd)[3] == 0.3 and expected_abs(mean, sd)[5] == 0.7
 
 
-def _docs_ids(tokenizer, tokens: int) -> torch.Tensor:
-    """(tokens,) ids of Python's own documentation (stdlib pydoc_data.topics)."""
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    return tokenizer(text, return_tensors="pt").input_ids[0, :tokens]
-
-
 def test_linear_predictor_on_smollm2_holds_on_text_it_was_not_fitted_on(smollm2):
     # The defect this guards against: the BCE-trained predictor of 0.6 fitted ~1,000
     # tokens and recalled 0.78 of layer 12's oracle rows on them but 0.55-0.57 on held-out
@@ -130,7 +123,7 @@ def test_linear_predictor_on_smollm2_holds_on_text_it_was_not_fitted_on(smollm2)
     # (0.6: 0.22 apart).
     model, tokenizer = smollm2
     name = "model.layers.12.mlp"
-    calibration = collect_mlp_inputs(model, _docs_ids(tokenizer, 2048).view(4, 512))[name]
+    calibration = collect_mlp_inputs(model, python_docs_ids(tokenizer, 2048)[0].view(4, 512))[name]
     prose = "The river rises in the hills and runs to the sea past farms, mills and towns. " * 6
     held_out = collect_mlp_inputs(model, tokenizer(prose, return_tensors="pt").input_ids)[name]
     mlp = model.get_submodule(name)
@@ -156,7 +149,7 @@ def test_gated_predictor_on_smollm2_recalls_more_than_cats_and_needs_its_spread(
     # 0.727 / 0.745 against CATS 0.697 / 0.718 and 0.698 / 0.718 without up_sd.
     model, tokenizer = smollm2
     names = ["model.layers.12.mlp", "model.layers.24.mlp"]
-    calibration = collect_mlp_inputs(model, _docs_ids(tokenizer, 2048).view(4, 512))
+    calibration = collect_mlp_inputs(model, python_docs_ids(tokenizer, 2048)[0].view(4, 512))
     prose = "The river rises in the hills and runs to the sea past farms, mills and towns. " * 6
     held_out = collect_mlp_inputs(model, tokenizer(prose, return_tensors="pt").input_ids)
     for name in names:

@@ -84,8 +84,10 @@ class PairedCache:
     gate row | up row | down column (down transposed), so that adding a neuron reads one
     contiguous run of bytes. gate_pool (N, gate_cols) (None without a gate), up_pool
     (N, up_cols) and down_pool_T (N, hidden) are strided views of its column blocks. The
-    active buffers hold up to capacity rows, packed. Views returned by the accessors alias C
-    memory that never reallocates. Not safe for concurrent updates from several threads; a
+    active buffers hold up to capacity rows, packed: gate | up and down_T per row, or with
+    gate_rows=False up and down_T only (the gate stays in the pool, for a caller that
+    computes act(gate x) from gate_pool itself, as CATS and the gated trained predictor do).
+    Views returned by the accessors alias C memory that never reallocates. Not safe for concurrent updates from several threads; a
     lock serialises them.
     """
 
@@ -98,6 +100,7 @@ class PairedCache:
         capacity: int | None = None,
         config: CacheConfig | None = None,
         init_mask: torch.Tensor | None = None,
+        gate_rows: bool = True,
     ) -> None:
         _check_weight("up", up, (None, None), None)
         n, up_cols = up.shape
@@ -107,7 +110,9 @@ class PairedCache:
         if gate is not None:
             _check_weight("gate", gate, (n, None), up.dtype)
             gate_cols = gate.shape[1]
-        self._create(n, gate_cols, up_cols, hidden, up.dtype, capacity, config, init_mask, None)
+        self._create(
+            n, gate_cols, up_cols, hidden, up.dtype, capacity, config, init_mask, None, gate_rows
+        )
         with torch.no_grad():  # weights that require grad are copied as plain data
             if gate is not None:
                 self.gate_pool.copy_(gate)
@@ -125,6 +130,7 @@ class PairedCache:
         capacity: int | None = None,
         config: CacheConfig | None = None,
         init_mask: torch.Tensor | None = None,
+        gate_rows: bool = True,
     ) -> PairedCache:
         """A cache over one layer of a PoolFile (paired_cache.pool_file), read in place.
 
@@ -150,14 +156,18 @@ class PairedCache:
             config,
             init_mask,
             pool_file.layer_buffer(index),
+            gate_rows,
         )
         if init_mask is not None:
             self.update(init_mask)
         return self
 
-    def _create(self, n, gate_cols, up_cols, hidden, dtype, capacity, config, init_mask, mapped):
-        """Validate capacity, config and init_mask, then create the C cache and its views;
-        mapped: a read-only buffer of the pool rows (pc_create_mapped), or None to allocate."""
+    def _create(
+        self, n, gate_cols, up_cols, hidden, dtype, capacity, config, init_mask, mapped, gate_rows
+    ):
+        """Validate capacity, config, init_mask and gate_rows, then create the C cache and its
+        views; mapped: a read-only buffer of the pool rows (pc_create_mapped), or None to
+        allocate."""
         capacity = n if capacity is None else capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
             raise PairedCacheError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
@@ -167,6 +177,12 @@ class PairedCache:
         # replace() runs CacheConfig's checks again (a field may have been set since) and
         # keeps a copy, so later changes to the caller's config cannot reach the C core.
         config = dataclasses.replace(config)
+        if not isinstance(gate_rows, bool):
+            raise PairedCacheError(f"gate_rows must be a bool, got {gate_rows!r}")
+        if not gate_rows and gate_cols == 0:
+            raise PairedCacheError("gate_rows=False needs a gate to leave in the pool (gate=None)")
+        # Columns of gate held in the active rows: all of them, or none with gate_rows=False.
+        self.gate_rows, self.active_gate_cols = gate_rows, gate_cols if gate_rows else 0
         self.n_rows, self.up_cols, self.gate_cols, self.hidden = n, up_cols, gate_cols, hidden
         self.capacity, self.config, self.dtype = capacity, config, dtype
         if init_mask is not None:
@@ -183,6 +199,7 @@ class PairedCache:
         cfg.elem_size, cfg.capacity = size, capacity
         cfg.hybrid_tau, cfg.grain = config.hybrid_tau, config.grain
         cfg.par_threshold, cfg.num_threads = config.par_threshold, config.num_threads
+        cfg.skip_gate = 0 if gate_rows else 1
         out = ffi.new("pc_cache **")
         if mapped is None:
             rc = lib.pc_create(cfg, out)
@@ -218,8 +235,9 @@ class PairedCache:
         self.gate_pool = self.neuron_pool[:, :gate_cols] if gate_cols else None
         self.up_pool = self.neuron_pool[:, gate_cols:row]  # (N, up_cols)
         self.down_pool_T = self.neuron_pool[:, row:]  # (N, hidden)
+        active_row = self.active_gate_cols + up_cols
         self._active_gate_up = _view(
-            h, lib.pc_active_gate_up(h), capacity * row * size, dtype, (capacity, row)
+            h, lib.pc_active_gate_up(h), capacity * active_row * size, dtype, (capacity, active_row)
         )
         self._active_down_T = _view(
             h, lib.pc_active_down_T(h), capacity * hidden * size, dtype, (capacity, hidden)
@@ -276,19 +294,30 @@ class PairedCache:
         """m: rows currently active."""
         return lib.pc_num_active(self._handle)
 
+    def _need_gate_rows(self) -> None:
+        if not self.gate_rows:
+            raise PairedCacheError(
+                "this cache keeps its gate in the pool only (gate_rows=False): the active "
+                "rows hold up and down; read gate_pool"
+            )
+
     def gate_up(self) -> torch.Tensor:
-        """(m, gate_cols + up_cols): gate row then up row per active neuron, zero-copy."""
+        """(m, gate_cols + up_cols): gate row then up row per active neuron, zero-copy;
+        PairedCacheError with gate_rows=False."""
+        self._need_gate_rows()
         return self._active_gate_up[: self.num_active]
 
     def gate(self) -> torch.Tensor:
-        """(m, gate_cols) strided view of the gate rows; PairedCacheError without a gate."""
+        """(m, gate_cols) strided view of the gate rows; PairedCacheError without a gate
+        or with gate_rows=False."""
         if self.gate_cols == 0:
             raise PairedCacheError("this cache was built without a gate (gate=None)")
+        self._need_gate_rows()
         return self._active_gate_up[: self.num_active, : self.gate_cols]
 
     def up(self) -> torch.Tensor:
-        """(m, up_cols) strided view of the up rows."""
-        return self._active_gate_up[: self.num_active, self.gate_cols :]
+        """(m, up_cols): the up rows, a strided view (contiguous with gate_rows=False)."""
+        return self._active_gate_up[: self.num_active, self.active_gate_cols :]
 
     def active_down_T(self) -> torch.Tensor:
         """(m, hidden) contiguous: the active rows of down transposed."""
@@ -312,9 +341,13 @@ class PairedCache:
 
     @property
     def active_bytes(self) -> int:
-        """Bytes of the m active rows (gate, up and down)."""
-        row = (self.gate_cols + self.up_cols + self.hidden) * self.dtype.itemsize
-        return self.num_active * row
+        """Bytes of the m active rows (gate when gate_rows, up and down)."""
+        return self.num_active * self.active_row_bytes
+
+    @property
+    def active_row_bytes(self) -> int:
+        """Bytes of one active row: what adding a neuron copies from the pool."""
+        return (self.active_gate_cols + self.up_cols + self.hidden) * self.dtype.itemsize
 
     @property
     def stats(self) -> CacheStats:
@@ -326,7 +359,7 @@ class PairedCache:
     def check_valid(self) -> None:
         """Raise CacheInvariantError unless active_indices and index_to_position are a
         bijection, the mask equals the active set, and every active row equals its neuron's
-        pool row (gate | up, and down_T)."""
+        pool row (gate | up or up alone, and down_T)."""
         message = ffi.new("char[]", 512)
         with self._lock:
             rc = lib.pc_check_valid(self._handle, message, 512)

@@ -38,11 +38,19 @@ class MaskSource(ABC):
     """Chooses the active rows for one token.
 
     per_token: whether the mask depends on the token (False lets SparseMLP run a whole
-    sequence through one update and one matmul).
+    sequence through one update and one matmul). gives_gate: whether select_with_gate always
+    returns act(gate x); SparseMLP's cache then keeps no gate rows among its active rows.
     """
 
     per_token: bool = True
     needs_calibration: bool = False
+    gives_gate: bool = False
+
+    @classmethod
+    def gives_gate_for(cls, **options) -> bool:
+        """gives_gate of the source build(..., **options) would make, known before the
+        cache it reads from exists."""
+        return cls.gives_gate
 
     def __init__(self, n_rows: int, fraction: float) -> None:
         self.n_rows = n_rows
@@ -99,6 +107,8 @@ class CatsMask(MaskSource):
     file-backed). threshold: keep rows with |act(gate x)| >= threshold instead of the top
     k, capped at k (the cache's capacity), at least one row.
     """
+
+    gives_gate = True
 
     def __init__(
         self,

@@ -279,7 +279,7 @@ def load_sparse(
     if "predictor" in options:  # a file of save_predictors: one set of weights per MLP
         from paired_cache.trained_predictor import load_predictors
 
-        predictors = load_predictors(options.pop("predictor"))
+        predictors = load_predictors(options.pop("predictor"), mapped=True)
         missing = [name for name in mlp_names if name not in predictors]
         if missing:
             raise PairedCacheError(f"the predictor file has no weights for {missing[:3]}")

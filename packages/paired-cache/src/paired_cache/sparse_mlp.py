@@ -68,12 +68,15 @@ class SparseMLP(nn.Module):
                 f"{window} tokens (up to {need} resident); the cache has N={cache.n_rows}, "
                 f"capacity={cache.capacity}"
             )
+        if not cache.gate_rows and not source.gives_gate:
+            raise PairedCacheError(
+                f"the cache keeps no gate rows (gate_rows=False) but mask source "
+                f"{type(source).__name__} does not return act(gate x)"
+            )
         self.cache, self.act_fn, self.source, self.window = cache, act, source, window
         self._recent: deque[torch.Tensor] = deque(maxlen=window)
         self.tokens = 0
         self.pool_rows_read = 0
-        # One row of the active buffers: gate | up, and down transposed.
-        self._row_bytes = (cache.gate_cols + cache.up_cols + cache.hidden) * cache.dtype.itemsize
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         raise PairedCacheError(f"{prefix.rstrip('.') or 'SparseMLP'}: {SAVE_REFUSED}")
@@ -104,7 +107,7 @@ class SparseMLP(nn.Module):
         Only copies out of the pool count: a rebuild reads every row of the new set, a paired
         update its added rows. The rows a shrinking set moves down into holes are copied
         within the active buffers (cache.stats.bytes_moved counts them too)."""
-        return self.pool_rows_read * self._row_bytes
+        return self.pool_rows_read * self.cache.active_row_bytes
 
     def _update(self, mask: torch.Tensor) -> None:
         info = self.cache.update(mask)
@@ -142,7 +145,11 @@ class SparseMLP(nn.Module):
             gate, up, down = (p.weight.detach().contiguous() for p in parts)
             n = gate.shape[0]
             capacity = window_capacity(active_rows(fraction, n), n, window)
-            cache = PairedCache(up, down, gate, capacity=capacity, config=config)
+            # A source that computes act(gate x) itself hands it over: no active gate rows.
+            gate_rows = not source_class(source).gives_gate_for(**options)
+            cache = PairedCache(
+                up, down, gate, capacity=capacity, config=config, gate_rows=gate_rows
+            )
             # The source reads the cache's pools: no second copy of gate and up.
             src = make_source(
                 source, cache.gate_pool, cache.up_pool, mlp.act_fn, fraction, calibration, **options
@@ -172,15 +179,16 @@ class SparseMLP(nn.Module):
         index = pool_file.resolve(layer)
         spec = pool_file.layers[index]
         capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
-        cache = PairedCache.from_pool_file(pool_file, index, capacity=capacity, config=config)
+        options = _layer_options(options, index)
+        cache = PairedCache.from_pool_file(
+            pool_file,
+            index,
+            capacity=capacity,
+            config=config,
+            gate_rows=not source_class(source).gives_gate_for(**options),
+        )
         src = make_source(
-            source,
-            cache.gate_pool,
-            cache.up_pool,
-            act,
-            fraction,
-            calibration,
-            **_layer_options(options, index),
+            source, cache.gate_pool, cache.up_pool, act, fraction, calibration, **options
         )
         return cls(cache, act, src, window)
 

@@ -245,6 +245,7 @@ class TrainedPredictor(MaskSource):
                 "a saved file)"
             )
         self.kind = predictor_kind(weights)
+        self.gives_gate = self.kind == "gated"
         p_in, p_out, vec = (weights[part] for part in PARTS[self.kind])
         r = p_in.shape[-1] if p_in.dim() == 2 else -1
         if p_in.shape != (hidden, r) or p_out.shape != (r, n) or vec.shape != (n,):
@@ -261,6 +262,10 @@ class TrainedPredictor(MaskSource):
             self.gate, self.act, self.up_sd = gate, act, vec
         else:
             self.bias = vec
+
+    @classmethod
+    def gives_gate_for(cls, weights=None, **options) -> bool:
+        return weights is not None and predictor_kind(weights) == "gated"
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         return self.select_with_gate(x)[0]
@@ -337,6 +342,19 @@ def fit_predictors(
     return out
 
 
+def python_docs_ids(tokenizer, tokens: int = 16384) -> torch.Tensor:
+    """A calibration text every Python has: the first `tokens` token ids (1, tokens) of
+    Python's own documentation (the stdlib's pydoc_data.topics, English prose and code,
+    topics in name order; ~113,000 tokens for SmolLM2's tokenizer)."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise PairedCacheError(f"pydoc_data.topics holds {ids.shape[1]} tokens, {tokens} asked")
+    return ids[:, :tokens]
+
+
 def save_predictors(
     path: str | os.PathLike, predictors: dict[str, dict[str, torch.Tensor]]
 ) -> None:
@@ -365,9 +383,15 @@ def save_predictors(
         raise
 
 
-def load_predictors(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
-    """Read a file written by save_predictors: {mlp name: weights}."""
+def load_predictors(
+    path: str | os.PathLike, *, mapped: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Read a file written by save_predictors: {mlp name: weights}. mapped=True: read-only
+    views of the file mapped, file-backed pages as the pool's are, no anonymous copy
+    (load_sparse reads them so); writing to them faults. mapped=False: tensors of their own."""
     from safetensors import SafetensorError, safe_open
+
+    from paired_cache.model_io import SafetensorsMap
 
     out: dict[str, dict[str, torch.Tensor]] = {}
     try:
@@ -379,7 +403,12 @@ def load_predictors(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor
                 )
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 name, _, part = key.rpartition(".")
-                out.setdefault(name, {})[part] = f.get_tensor(key)
+                out.setdefault(name, {})[part] = None if mapped else f.get_tensor(key)
+        if mapped:
+            views = SafetensorsMap(path)
+            for name, weights in out.items():
+                for part in weights:
+                    weights[part] = views.tensor(f"{name}.{part}")
     except (OSError, ValueError, SafetensorError) as exc:
         if isinstance(exc, PairedCacheError):
             raise
@@ -411,6 +440,7 @@ __all__ = [
     "oracle_labels",
     "oracle_scores",
     "predictor_kind",
+    "python_docs_ids",
     "recall",
     "save_predictors",
 ]

@@ -54,19 +54,21 @@ static void fill_pool(pc_cache *cache, int64_t n, const size_t part_bytes[3]) {
     fill_rows(pc_neuron_pool(cache), (size_t)pc_pool_row_bytes(cache), n, part_bytes);
 }
 
-/* 1 when position p of the active buffers holds neuron id's gate | up row and down_T row,
- * recomputed from weight_byte rather than read from the pool. */
-static int active_row_is(pc_cache *cache, int64_t p, int32_t id, const size_t part_bytes[3]) {
-    size_t gate_up_bytes = part_bytes[0] + part_bytes[1];
+/* 1 when position p of the active buffers holds neuron id's gate | up row (its up row only
+ * with skip_gate) and down_T row, recomputed from weight_byte rather than read from the pool. */
+static int active_row_is(pc_cache *cache, int64_t p, int32_t id, const size_t part_bytes[3],
+                         int skip_gate) {
+    size_t gate_bytes = skip_gate ? 0 : part_bytes[0];
+    size_t gate_up_bytes = gate_bytes + part_bytes[1];
     const uint8_t *gate_up = (const uint8_t *)pc_active_gate_up(cache) + (size_t)p * gate_up_bytes;
     const uint8_t *down = (const uint8_t *)pc_active_down_T(cache) + (size_t)p * part_bytes[2];
-    for (size_t b = 0; b < part_bytes[0]; b++) {
+    for (size_t b = 0; b < gate_bytes; b++) {
         if (gate_up[b] != weight_byte(id, b, 0)) {
             return 0;
         }
     }
     for (size_t b = 0; b < part_bytes[1]; b++) {
-        if (gate_up[part_bytes[0] + b] != weight_byte(id, b, 1)) {
+        if (gate_up[gate_bytes + b] != weight_byte(id, b, 1)) {
             return 0;
         }
     }
@@ -122,11 +124,13 @@ static int64_t random_mask(uint8_t *mask, const uint8_t *old, int64_t n, int64_t
 }
 
 /* mapped: the pool is a caller's buffer (pc_create_mapped), filled before the cache exists
- * and compared byte for byte after the run: the core must never write it. */
+ * and compared byte for byte after the run: the core must never write it. skip_gate: the
+ * active buffers hold the up and down_T rows only. */
 static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int64_t elem,
-                       int64_t cap, double tau, int steps, int mapped) {
+                       int64_t cap, double tau, int steps, int mapped, int skip_gate) {
     pc_config cfg = base_config(n, gate, up, hidden, elem, cap);
     cfg.hybrid_tau = tau;
+    cfg.skip_gate = skip_gate;
     pc_cache *cache = NULL;
     const size_t parts[3] = {(size_t)(gate * elem), (size_t)(up * elem), (size_t)(hidden * elem)};
     size_t stride = (size_t)pc_pool_row_stride(gate, up, hidden, elem);
@@ -189,7 +193,7 @@ static void run_random(int64_t n, int64_t gate, int64_t up, int64_t hidden, int6
         CHECK(memcmp(pc_current_mask(cache), model, (size_t)n) == 0, "mask != model");
         for (int64_t p = 0; p < pc_num_active(cache); p++) {
             int32_t id = pc_active_indices(cache)[p];
-            CHECK(id >= 0 && id < n && active_row_is(cache, p, id, parts),
+            CHECK(id >= 0 && id < n && active_row_is(cache, p, id, parts, skip_gate),
                   "position %lld does not hold neuron %d's rows", (long long)p, id);
         }
         rc = pc_check_valid(cache, msg, sizeof msg);
@@ -223,8 +227,8 @@ static void test_mapped_errors(void) {
 
 static void test_config_errors(void) {
     pc_config good = base_config(16, 4, 4, 4, 4, 8);
-    pc_config bad[8];
-    for (int i = 0; i < 8; i++) {
+    pc_config bad[10];
+    for (int i = 0; i < 10; i++) {
         bad[i] = good;
     }
     bad[0].n_rows = 0;
@@ -235,7 +239,10 @@ static void test_config_errors(void) {
     bad[5].num_threads = 0;
     bad[6].hybrid_tau = -1.0;
     bad[7].elem_size = 0;
-    for (int i = 0; i < 8; i++) {
+    bad[8].skip_gate = 2;
+    bad[9].skip_gate = 1; /* a gate to skip is needed */
+    bad[9].gate_cols = 0;
+    for (int i = 0; i < 10; i++) {
         pc_cache *cache = (pc_cache *)&good; /* must be reset to NULL on failure */
         CHECK(pc_create(&bad[i], &cache) == PC_ERR_CONFIG && cache == NULL, "bad config %d", i);
     }
@@ -272,6 +279,23 @@ static void test_corruption_detected(void) {
     pool_down[5] ^= 0xFF;
     CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_ERR_INVALID, "pool down_T change missed");
     pool_down[5] ^= 0xFF;
+    pc_destroy(cache);
+
+    /* skip_gate: the active row is up only, compared with the pool's up part (at offset 8),
+     * and the pool's gate part is nobody's copy. */
+    cfg.skip_gate = 1;
+    CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create skip_gate");
+    fill_pool(cache, 32, parts);
+    CHECK(pc_update(cache, mask, NULL) == PC_OK, "update skip_gate");
+    CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_OK, "skip_gate valid: %s", msg);
+    uint8_t *pool_row9 = (uint8_t *)pc_neuron_pool(cache) + 9 * pc_pool_row_bytes(cache);
+    CHECK(memcmp((uint8_t *)pc_active_gate_up(cache) + 2 * 8, pool_row9 + 8, 8) == 0,
+          "skip_gate: position 2 does not hold row 9's up part");
+    pool_row9[8 + 3] ^= 0xFF;
+    CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_ERR_INVALID, "skip_gate up change missed");
+    pool_row9[8 + 3] ^= 0xFF;
+    pool_row9[3] ^= 0xFF; /* its gate part */
+    CHECK(pc_check_valid(cache, msg, sizeof msg) == PC_OK, "skip_gate compared the gate: %s", msg);
     pc_destroy(cache);
 }
 
@@ -310,14 +334,15 @@ int main(void) {
     const int64_t elems[4] = {8, 4, 2, 1};
     for (int e = 0; e < 4; e++) {
         for (int mapped = 0; mapped < 2; mapped++) {
-            run_random(64, 3, 5, 7, elems[e], 40, 0.5, 300, mapped); /* gate on, hybrid */
-            run_random(64, 0, 5, 7, elems[e], 64, 0.5, 300, mapped); /* gate off, capacity N */
-            run_random(50, 4, 4, 4, elems[e], 20, 1e9, 300, mapped); /* never rebuild */
-            run_random(50, 4, 4, 4, elems[e], 20, 0.0, 100, mapped); /* always rebuild */
+            run_random(64, 3, 5, 7, elems[e], 40, 0.5, 300, mapped, 0); /* gate on, hybrid */
+            run_random(64, 3, 5, 7, elems[e], 40, 0.5, 300, mapped, 1); /* gate left in pool */
+            run_random(64, 0, 5, 7, elems[e], 64, 0.5, 300, mapped, 0); /* no gate, capacity N */
+            run_random(50, 4, 4, 4, elems[e], 20, 1e9, 300, mapped, 0); /* never rebuild */
+            run_random(50, 4, 4, 4, elems[e], 20, 0.0, 100, mapped, 1); /* always rebuild */
         }
     }
-    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40, 0); /* enough rows for the threaded path */
-    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40, 1);
+    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40, 0, 0); /* enough rows for threads */
+    run_random(2048, 16, 16, 16, 4, 1024, 1e9, 40, 1, 1);
     if (failures) {
         fprintf(stderr, "%d failure(s)\n", failures);
         return 1;

@@ -3,15 +3,18 @@
 The MLPs' neuron pools live in a pool file (``paired-cache convert``, made once by the
 PREPARE step and kept under ``$MEMBOUND_CACHE``), mapped read-only; ``load_sparse`` builds the
 model without ever materialising the dense MLP weights, and every other weight is a view of
-the mapped safetensors. Each token's mask is CATS (|silu(gate x)| top-k, the gate read from
-the mapped pool); the paired-replacement cache copies the chosen rows from the mapping into
-its active buffers. The bounded component is the MLP weight resident in those buffers.
+the mapped safetensors. Each token's mask is the trained (gated) predictor's: the gate
+computed exactly from the mapped pool, up x predicted at rank 64, fitted by the PREPARE step
+on 16,384 tokens of Python's documentation and kept beside the pool. The paired-replacement
+cache copies the chosen rows from the mapping into its active buffers. The bounded
+component is the MLP weight resident in those buffers.
 """
 
 from membound_integration.row import QUESTION, Row, greedy_generate
 
 FRACTION = 0.5
-SOURCE = "cats"
+SOURCE = "trained"
+CALIBRATION_TOKENS = 16384
 
 
 def pool_path():
@@ -30,6 +33,25 @@ def pool_path():
     return path
 
 
+def predictor_path():
+    """The SmolLM2 predictor file (``fit_predictors`` on Python's documentation), fitted on
+    first use from the dense float copy."""
+    import paired_cache
+    from membound_testing import load_smollm2, smollm2_float_dir
+    from paired_cache.trained_predictor import fit_predictors, python_docs_ids, save_predictors
+
+    source = smollm2_float_dir()
+    path = (
+        source.parent
+        / f"{source.name}-paired-cache-{paired_cache.__version__}-predictor.safetensors"
+    )
+    if not path.is_file():
+        model, tokenizer = load_smollm2()
+        ids = python_docs_ids(tokenizer, CALIBRATION_TOKENS)
+        save_predictors(path, fit_predictors(model, ids))  # written atomically
+    return path
+
+
 def paired_cache_row() -> Row:
     from transformers import PreTrainedTokenizerFast
 
@@ -40,7 +62,7 @@ def paired_cache_row() -> Row:
     path = pool_path()
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    model = load_sparse(model_dir, path, SOURCE, FRACTION)
+    model = load_sparse(model_dir, path, SOURCE, FRACTION, predictor=predictor_path())
     mlps = [layer.mlp for layer in model.model.layers]
     gen = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
     return Row(
@@ -53,4 +75,4 @@ def paired_cache_row() -> Row:
 
 
 ROWS = {"paired_cache": paired_cache_row}
-PREPARE = [pool_path]
+PREPARE = [pool_path, predictor_path]
