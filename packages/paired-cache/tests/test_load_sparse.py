@@ -117,6 +117,48 @@ def test_load_sparse_answers_from_mapped_files(smollm2, model_dir, pool_path, fr
     assert all(not m.cache.gate_rows for m in mlps)
     assert all(m.pool_bytes_read % 4608 == 0 and m.pool_bytes_read > 0 for m in mlps)
     assert all(m.cache.active_bytes == m.cache.num_active * 4608 for m in mlps)
+    # CATS scores with gate_proj mapped contiguous from the safetensors, not with the
+    # pool's gate block, whose pages it shares with the up and down rows.
+    weights = _file_ranges(*model_dir.glob("*.safetensors"))
+    for m in mlps:
+        gate = m.source.gate
+        assert gate.is_contiguous() and any(lo <= gate.data_ptr() < hi for lo, hi in weights)
+        assert torch.equal(gate, m.cache.gate_pool)
+
+
+def _vm_flags(path) -> list[list[str]]:
+    """VmFlags of each of this process's mappings of path (/proc/self/smaps)."""
+    target, flags, inside = str(path.resolve()), [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) >= 6 and fields[5] == target
+            elif inside and fields[0] == "VmFlags:":
+                flags.append(fields[1:])
+    return flags
+
+
+def test_pool_mapping_is_advised_random(pool_path):
+    # An update copies scattered rows: with the device's readahead (8 MiB on this machine's
+    # disk) each row's page fault would read megabytes around it.
+    pool = PoolFile(pool_path)
+    flags = _vm_flags(pool_path)
+    assert flags and all("rr" in f for f in flags), flags
+    del pool
+
+
+def test_from_pool_file_refuses_a_gate_that_does_not_fit(pool_path):
+    pool = PoolFile(pool_path)
+    act = torch.nn.functional.silu
+    want = r"gate for model.layers.3.mlp must be a \(1536, 576\) torch.float32 tensor, got "
+    for gate, got in (
+        (torch.zeros(1536, 575), r"\(1536, 575\) torch.float32"),
+        (torch.zeros(1536, 576, dtype=torch.float64), r"\(1536, 576\) torch.float64"),
+        ([[0.0]], r"list"),
+    ):
+        with pytest.raises(ValueError, match=want + got):
+            SparseMLP.from_pool_file(pool, 3, act, "cats", 0.5, gate=gate)
 
 
 def test_load_sparse_refuses_a_pool_of_another_model(model_dir, tmp_path):

@@ -93,7 +93,13 @@ def test_the_package_save_path_round_trips_into_identical_logits(tmp_path):
     with torch.no_grad():
         want, got = sparse(IDS).logits, loaded(IDS).logits
         assert not torch.equal(want, dense(IDS).logits)  # the masks changed something
-    assert torch.equal(got, want)
+    # The same masks and rows. Not bit-equal: the loaded model scores with gate_proj mapped
+    # from the safetensors, 8 bytes past a 64-byte boundary, the in-memory one with the
+    # pool's 64-byte aligned gate block, and the CPU GEMV rounds by the address mod 64.
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(loaded.model.layers, sparse.model.layers, strict=True):
+        assert torch.equal(a.mlp.cache.mask(), b.mlp.cache.mask())
     with pytest.raises(PairedCacheError, match=r"save_pretrained: .*load_sparse"):
         loaded.save_pretrained(tmp_path / "again")
     assert not (tmp_path / "again").exists()

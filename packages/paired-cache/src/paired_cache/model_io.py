@@ -288,8 +288,20 @@ def load_sparse(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         mlp = getattr(parent, child)
+        # The mask source scores with the contiguous gate_proj of the safetensors when they
+        # hold it: the pool's gate block shares its pages with the up and down rows.
+        gate_key = f"{name}.gate_proj.weight"
+        gate = where[gate_key].tensor(gate_key) if gate_key in where else None
         sparse = SparseMLP.from_pool_file(
-            pools, name, mlp.act_fn, source, fraction, config=config, window=window, **options
+            pools,
+            name,
+            mlp.act_fn,
+            source,
+            fraction,
+            config=config,
+            window=window,
+            gate=gate,
+            **options,
         )
         setattr(parent, child, sparse)
     for module_name, module in model.named_modules():

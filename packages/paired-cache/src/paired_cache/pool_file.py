@@ -203,6 +203,11 @@ class PoolFile:
             if hashlib.sha256(header).digest() != digest:
                 raise PairedCacheError(f"{self.path}: header checksum mismatch")
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):
+            # Updates copy scattered rows: a page fault reads its own page, not the
+            # readahead window around it (32 pages), which under a memory limit evicts
+            # what is in use for rows nobody asked for.
+            self._mmap.madvise(mmap.MADV_RANDOM)
         try:
             meta = json.loads(header)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

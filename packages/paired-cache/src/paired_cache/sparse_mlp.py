@@ -168,16 +168,38 @@ class SparseMLP(nn.Module):
         config: CacheConfig | None = None,
         window: int = 1,
         calibration: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
         **options,
     ) -> SparseMLP:
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
-        mapping and only the active rows (window_capacity rows) are anonymous memory."""
+        mapping and only the active rows (window_capacity rows) are anonymous memory.
+
+        gate: (N, gate_cols) of the pool's dtype, the gate weights the mask source scores
+        with instead of the pool's strided gate block, e.g. gate_proj.weight mapped from the
+        model's safetensors (load_sparse passes it). The gate block of a bundled pool shares
+        its pages with the up and down rows, so a source that computes act(gate x) for
+        every row would touch every page of the pool each token; a contiguous gate touches
+        only its own, and the pool is then read for the rows an update adds."""
         source_class(source)
         check_window(window)
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
         index = pool_file.resolve(layer)
         spec = pool_file.layers[index]
+        if gate is not None and (
+            not isinstance(gate, torch.Tensor)
+            or gate.shape != (spec.n_rows, spec.gate_cols)
+            or gate.dtype != pool_file.dtype
+        ):
+            got = (
+                f"{tuple(gate.shape)} {gate.dtype}"
+                if isinstance(gate, torch.Tensor)
+                else type(gate).__name__
+            )
+            raise PairedCacheError(
+                f"gate for {spec.name} must be a ({spec.n_rows}, {spec.gate_cols}) "
+                f"{pool_file.dtype} tensor, got {got}"
+            )
         capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
         options = _layer_options(options, index)
         cache = PairedCache.from_pool_file(
@@ -187,9 +209,8 @@ class SparseMLP(nn.Module):
             config=config,
             gate_rows=not source_class(source).gives_gate_for(**options),
         )
-        src = make_source(
-            source, cache.gate_pool, cache.up_pool, act, fraction, calibration, **options
-        )
+        gate = cache.gate_pool if gate is None else gate
+        src = make_source(source, gate, cache.up_pool, act, fraction, calibration, **options)
         return cls(cache, act, src, window)
 
     def _active_forward(

@@ -4,7 +4,7 @@ The MLPs' neuron pools live in a pool file (``paired-cache convert``, made once 
 PREPARE step and kept under ``$MEMBOUND_CACHE``), mapped read-only; ``load_sparse`` builds the
 model without ever materialising the dense MLP weights, and every other weight is a view of
 the mapped safetensors. Each token's mask is the trained (gated) predictor's: the gate
-computed exactly from the mapped pool, up x predicted at rank 64, fitted by the PREPARE step
+computed exactly from gate_proj mapped from the safetensors, up x predicted at rank 64, fitted by the PREPARE step
 on 16,384 tokens of Python's documentation and kept beside the pool. The paired-replacement
 cache copies the chosen rows from the mapping into its active buffers. The bounded
 component is the MLP weight resident in those buffers.
