@@ -126,6 +126,25 @@ def test_load_sparse_answers_from_mapped_files(smollm2, model_dir, pool_path, fr
         assert torch.equal(gate, m.cache.gate_pool)
 
 
+def test_load_sparse_in_place_keeps_no_active_rows(smollm2, model_dir, pool_path, france):
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="in_place")
+    copied = load_sparse(model_dir, pool_path, "cats", 0.5)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(m.in_place and m.cache.capacity == 1 for m in mlps)
+    ids = france[:, :12]
+    with torch.no_grad():
+        got, want = model(ids).logits, copied(ids).logits
+    # The same masks over the same rows, read from the pool instead of the active buffers.
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max().item() < 1e-3
+    with torch.no_grad():
+        out = model.generate(france, max_new_tokens=7, do_sample=False)
+    assert "Paris" in smollm2[1].decode(out[0, france.shape[1] :])
+    assert all(m.cache.num_active == 0 and m.cache.stats.rows_copied == 0 for m in mlps)
+    # Every token gathers its 768 rows (up | down_T, 4608 bytes each) from the pool.
+    assert all(m.pool_bytes_read == m.tokens * 768 * 4608 for m in mlps)
+
+
 def _vm_flags(path) -> list[list[str]]:
     """VmFlags of each of this process's mappings of path (/proc/self/smaps)."""
     target, flags, inside = str(path.resolve()), [], False

@@ -20,6 +20,7 @@ from paired_cache.mask_sources import (
     active_rows,
     make_source,
 )
+from paired_cache.pool_file import PoolFile, write_pool_file
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
 from paired_cache.trained_predictor import TrainConfig, fit_predictor
 
@@ -153,6 +154,66 @@ def test_sources_that_compute_the_gate_give_the_masked_dense_mlp(kind, window):
         got = sparse(x[t : t + 1])
         torch.testing.assert_close(got, mlp.masked(x[t : t + 1], mask), rtol=1e-12, atol=1e-12)
     sparse.cache.check_valid()
+
+
+@pytest.mark.parametrize("kind", ["cats", "gated", "linear", "oracle", "fixed"])
+def test_in_place_rows_give_the_masked_dense_mlp_and_keep_no_active_rows(kind, tmp_path):
+    # rows="in_place" gathers each token's rows from the pool instead of copying them into
+    # the active buffers: the same output as the dense MLP with the other neurons zeroed,
+    # whether the source hands over act(gate x) (cats, gated) or not (linear, oracle:
+    # the gate rows are gathered too; fixed: one mask for the whole sequence).
+    mlp = GatedMLP(seed=6)
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    d = mlp.down_proj.weight.detach()
+    write_pool_file(tmp_path / "p.pcpool", [("mlp", g, u, d)])
+    options, calibration = {}, None
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    if kind in ("gated", "linear"):
+        config = TrainConfig(rank=4, kind=kind)
+        calib = torch.randn(64, H, dtype=torch.float64)
+        options["weights"] = fit_predictor(g, u, mlp.act_fn, calib, config)
+    if kind == "fixed":
+        calibration = torch.randn(32, H, dtype=torch.float64)
+    source = "trained" if kind in ("gated", "linear") else kind
+    sparse = SparseMLP.from_pool_file(
+        PoolFile(tmp_path / "p.pcpool"),
+        "mlp",
+        mlp.act_fn,
+        source,
+        0.3,
+        calibration=calibration,
+        rows="in_place",
+        **options,
+    )
+    assert sparse.in_place and sparse.cache.capacity == 1
+    k = active_rows(0.3, N)
+    if kind == "fixed":
+        got = sparse(x)
+        want = mlp.masked(x, sparse.source.select(x[0]))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    else:
+        for t in range(x.shape[0]):
+            mask = sparse.source.select(x[t])
+            got = sparse(x[t : t + 1])
+            want = mlp.masked(x[t : t + 1], mask)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert sparse.cache.num_active == 0  # nothing was copied into the active buffers
+    assert sparse.cache.stats.rows_copied == 0
+    reads = 1 if kind == "fixed" else x.shape[0]
+    assert sparse.pool_bytes_read == reads * k * sparse.cache.active_row_bytes
+
+
+def test_in_place_rows_refuse_a_window_and_an_unknown_mode(tmp_path):
+    mlp = GatedMLP()
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    write_pool_file(tmp_path / "p.pcpool", [("mlp", g, u, mlp.down_proj.weight.detach())])
+    pool = PoolFile(tmp_path / "p.pcpool")
+    with pytest.raises(ValueError, match=r"rows='in_place' .* window must be 1, got 2"):
+        SparseMLP.from_pool_file(pool, 0, mlp.act_fn, "cats", 0.3, window=2, rows="in_place")
+    with pytest.raises(
+        ValueError, match=r"rows must be one of \('copy', 'in_place'\), got 'inplace'"
+    ):
+        SparseMLP.from_pool_file(pool, 0, mlp.act_fn, "cats", 0.3, rows="inplace")
 
 
 def test_a_cache_without_gate_rows_needs_a_source_that_gives_the_gate():

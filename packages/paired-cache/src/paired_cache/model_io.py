@@ -238,6 +238,7 @@ def load_sparse(
     *,
     config: CacheConfig | None = None,
     window: int = 1,
+    rows: str = "copy",
     **options,
 ):
     """A transformers causal LM whose MLPs are SparseMLPs over the pool file's mapped pools
@@ -245,7 +246,9 @@ def load_sparse(
     and *.safetensors): nothing is copied into anonymous memory but the caches' active rows
     and what the mask sources build. source: a MASK_SOURCES name whose build needs no
     calibration inputs ("cats", "oracle", or "trained" with predictor=PATH, a file of
-    paired_cache.trained_predictor.save_predictors).
+    paired_cache.trained_predictor.save_predictors). rows: "copy" (the paired-replacement
+    cache of active rows, anonymous memory) or "in_place" (each token's rows gathered from
+    the mapped pool, no active rows kept; window 1): SparseMLP.from_pool_file.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -301,6 +304,7 @@ def load_sparse(
             config=config,
             window=window,
             gate=gate,
+            rows=rows,
             **options,
         )
         setattr(parent, child, sparse)

@@ -27,6 +27,11 @@ GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 # rank is 128) and "fixed" averages over T tokens, so a handful of tokens fits noise.
 MIN_CALIBRATION_TOKENS = 16
 
+# Where a token's rows are read from: "copy", the paired-replacement cache's packed active
+# rows (anonymous memory, updated by the rows that change); "in_place", the (mapped) pool
+# itself, each token's rows gathered into temporaries freed after the layer.
+ROW_MODES = ("copy", "in_place")
+
 SAVE_REFUSED = (
     "a SparseMLP keeps its weights in its paired cache (C memory, or the mapped pool file), "
     "not in parameters, so a state_dict or save_pretrained checkpoint would hold no MLP "
@@ -52,7 +57,12 @@ class SparseMLP(nn.Module):
     """
 
     def __init__(
-        self, cache: PairedCache, act: Activation, source: MaskSource, window: int = 1
+        self,
+        cache: PairedCache,
+        act: Activation,
+        source: MaskSource,
+        window: int = 1,
+        in_place: bool = False,
     ) -> None:
         super().__init__()
         if cache.gate_cols == 0 or cache.gate_cols != cache.up_cols:
@@ -61,7 +71,9 @@ class SparseMLP(nn.Module):
                 f"{cache.gate_cols}, up_cols={cache.up_cols}"
             )
         check_window(window)
-        need = window_capacity(source.k, cache.n_rows, window)
+        if in_place:
+            check_in_place_window(window)
+        need = 1 if in_place else window_capacity(source.k, cache.n_rows, window)
         if source.n_rows != cache.n_rows or need > cache.capacity:
             raise PairedCacheError(
                 f"mask source picks {source.k} of {source.n_rows} rows over a window of "
@@ -74,6 +86,7 @@ class SparseMLP(nn.Module):
                 f"{type(source).__name__} does not return act(gate x)"
             )
         self.cache, self.act_fn, self.source, self.window = cache, act, source, window
+        self.in_place = in_place
         self._recent: deque[torch.Tensor] = deque(maxlen=window)
         self.tokens = 0
         self.pool_rows_read = 0
@@ -106,7 +119,8 @@ class SparseMLP(nn.Module):
 
         Only copies out of the pool count: a rebuild reads every row of the new set, a paired
         update its added rows. The rows a shrinking set moves down into holes are copied
-        within the active buffers (cache.stats.bytes_moved counts them too)."""
+        within the active buffers (cache.stats.bytes_moved counts them too). In place, every
+        token's rows count: each token gathers them from the pool."""
         return self.pool_rows_read * self.cache.active_row_bytes
 
     def _update(self, mask: torch.Tensor) -> None:
@@ -169,6 +183,7 @@ class SparseMLP(nn.Module):
         window: int = 1,
         calibration: torch.Tensor | None = None,
         gate: torch.Tensor | None = None,
+        rows: str = "copy",
         **options,
     ) -> SparseMLP:
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
@@ -179,9 +194,18 @@ class SparseMLP(nn.Module):
         model's safetensors (load_sparse passes it). The gate block of a bundled pool shares
         its pages with the up and down rows, so a source that computes act(gate x) for
         every row would touch every page of the pool each token; a contiguous gate touches
-        only its own, and the pool is then read for the rows an update adds."""
+        only its own, and the pool is then read for the rows an update adds.
+
+        rows: "copy" (the paired-replacement cache: the active rows are anonymous copies,
+        updated by the rows that change) or "in_place" (no active rows: each token gathers
+        its rows from the mapping into temporaries freed after the layer, so the only copy
+        that stays is the page cache's, which a hard memory limit can reclaim; window must
+        be 1)."""
         source_class(source)
         check_window(window)
+        if rows not in ROW_MODES:
+            raise PairedCacheError(f"rows must be one of {ROW_MODES}, got {rows!r}")
+        in_place = rows == "in_place"
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
         index = pool_file.resolve(layer)
@@ -201,6 +225,9 @@ class SparseMLP(nn.Module):
                 f"{pool_file.dtype} tensor, got {got}"
             )
         capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
+        if in_place:
+            check_in_place_window(window)  # before the cache is made
+            capacity = 1  # the active buffers stay empty
         options = _layer_options(options, index)
         cache = PairedCache.from_pool_file(
             pool_file,
@@ -211,7 +238,22 @@ class SparseMLP(nn.Module):
         )
         gate = cache.gate_pool if gate is None else gate
         src = make_source(source, gate, cache.up_pool, act, fraction, calibration, **options)
-        return cls(cache, act, src, window)
+        return cls(cache, act, src, window, in_place=in_place)
+
+    def _in_place_forward(
+        self, x: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, read from the pool;
+        gate: (N,) act(gate x) of the one token x when the mask source computed it."""
+        idx = mask.nonzero().squeeze(1)  # (m,) ascending
+        up = self.cache.up_pool.index_select(0, idx)  # (m, up_cols)
+        if gate is None:
+            g = self.act_fn(F.linear(x, self.cache.gate_pool.index_select(0, idx)))  # (T, m)
+        else:
+            g = gate[idx]  # (m,)
+        h = g * F.linear(x, up)  # (T, m)
+        self.pool_rows_read += idx.numel()
+        return h @ self.cache.down_pool_T.index_select(0, idx)  # (T, m) @ (m, hidden)
 
     def _active_forward(
         self,
@@ -245,7 +287,16 @@ class SparseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
-        if not self.source.per_token:
+        if self.in_place:
+            if not self.source.per_token:
+                out = self._in_place_forward(flat, self.source.select(flat[0]), None)
+            else:
+                out = torch.empty_like(flat)
+                for t in range(flat.shape[0]):
+                    mask, gate = self.source.select_with_gate(flat[t])
+                    out[t] = self._in_place_forward(flat[t : t + 1], mask, gate)[0]
+            self.tokens += flat.shape[0]
+        elif not self.source.per_token:
             self._update(self.source.select(flat[0]))
             out = self._active_forward(flat)
             self.tokens += flat.shape[0]
@@ -292,6 +343,14 @@ def check_window(window) -> None:
 def window_capacity(k: int, n_rows: int, window: int) -> int:
     """Rows a window of `window` masks of k rows can keep resident: min(N, window * k)."""
     return min(n_rows, window * k)
+
+
+def check_in_place_window(window: int) -> None:
+    if window != 1:
+        raise PairedCacheError(
+            f"rows='in_place' reads each token's rows from the pool and keeps none resident: "
+            f"window must be 1, got {window}"
+        )
 
 
 def _layer_options(options: dict, index: int) -> dict:

@@ -52,7 +52,9 @@ def predictor_path():
     return path
 
 
-def paired_cache_row() -> Row:
+def paired_cache_row(rows: str = "copy") -> Row:
+    """rows: "copy" (the paired-replacement cache of active rows) or "in_place" (each
+    token's rows read from the mapped pool, no active rows kept)."""
     from transformers import PreTrainedTokenizerFast
 
     from membound_testing import chat_prompt, smollm2_float_dir
@@ -62,11 +64,12 @@ def paired_cache_row() -> Row:
     path = pool_path()
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    model = load_sparse(model_dir, path, SOURCE, FRACTION, predictor=predictor_path())
+    model = load_sparse(model_dir, path, SOURCE, FRACTION, predictor=predictor_path(), rows=rows)
     mlps = [layer.mlp for layer in model.model.layers]
     gen = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
+    how = "rows read in place from" if rows == "in_place" else "pool mapped from"
     return Row(
-        name=f"SparseMLP {round(FRACTION * 100)}% rows, {SOURCE}, pool mapped from storage (paired-cache)",
+        name=f"SparseMLP {round(FRACTION * 100)}% rows, {SOURCE}, {how} storage (paired-cache)",
         **gen.row_fields(),
         component="MLP weights resident (active rows)",
         resident_bytes=sum(m.cache.active_bytes for m in mlps),
@@ -74,5 +77,9 @@ def paired_cache_row() -> Row:
     )
 
 
-ROWS = {"paired_cache": paired_cache_row}
+def paired_cache_in_place_row() -> Row:
+    return paired_cache_row("in_place")
+
+
+ROWS = {"paired_cache": paired_cache_row, "paired_cache_in_place": paired_cache_in_place_row}
 PREPARE = [pool_path, predictor_path]
