@@ -284,31 +284,29 @@ class SparseMLP(nn.Module):
             h = h * keep[self.cache._indices[:m]].to(h.dtype)
         return F.linear(h, self.cache.down())  # down(): (hidden, m)
 
+    def _rows_forward(
+        self, x: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, for T tokens that
+        share it; gate: (N,) act(gate x) when the mask source computed it (T == 1)."""
+        if self.in_place:
+            return self._in_place_forward(x, mask, gate)
+        self._update(self._resident_mask(mask))
+        keep = mask if self.window > 1 else None
+        return self._active_forward(x, keep, gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
-        if self.in_place:
-            if not self.source.per_token:
-                out = self._in_place_forward(flat, self.source.select(flat[0]), None)
-            else:
-                out = torch.empty_like(flat)
-                for t in range(flat.shape[0]):
-                    mask, gate = self.source.select_with_gate(flat[t])
-                    out[t] = self._in_place_forward(flat[t : t + 1], mask, gate)[0]
-            self.tokens += flat.shape[0]
-        elif not self.source.per_token:
-            self._update(self.source.select(flat[0]))
-            out = self._active_forward(flat)
-            self.tokens += flat.shape[0]
+        if not self.source.per_token:
+            out = self._rows_forward(flat, self.source.select(flat[0]), None)
         else:
             out = torch.empty_like(flat)
             # One mask per token, as in decoding: a prompt runs token by token here.
             for t in range(flat.shape[0]):
                 mask, gate = self.source.select_with_gate(flat[t])
-                self._update(self._resident_mask(mask))
-                keep = mask if self.window > 1 else None
-                out[t] = self._active_forward(flat[t : t + 1], keep, gate)[0]
-            self.tokens += flat.shape[0]
+                out[t] = self._rows_forward(flat[t : t + 1], mask, gate)[0]
+        self.tokens += flat.shape[0]
         return out.view(shape).to(x.dtype)
 
 
