@@ -80,11 +80,11 @@ def main(quick: bool) -> None:
         ],
         f"The MLP bytes: {mlp_bytes / 2**20:.1f} MiB (30 pools). Bytes read count every row "
         "copied from the mapped pool into the active buffers (rows copied x the active row's "
-        "bytes: up | down_T, 4,608 bytes, for cats, which computes the gate from the pool "
-        "itself; gate | up | down_T, 6,912 bytes, for the others), the first token's fill "
-        "included, divided by the tokens; the prompt runs token by token. cats reads the "
-        "whole gate block of the pool for its scores as well (not counted here: it is read "
-        "in place, 1/3 of the MLP bytes). Resident: the union of the last "
+        "bytes: up | down_T, 4,608 bytes, for cats, which computes the gate itself; gate | "
+        "up | down_T, 6,912 bytes, for the others), the first token's fill included, divided "
+        "by the tokens; the prompt runs token by token. cats reads the whole gate for its "
+        "scores as well (not counted here: gate_proj read in place from the safetensors, 1/3 "
+        "of the MLP bytes). Resident: the union of the last "
         "window tokens' masks; capacity: min(N, window x k) rows per layer.",
         save=not quick,
     )

@@ -205,8 +205,9 @@ class PoolFile:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if hasattr(mmap, "MADV_RANDOM"):
             # Updates copy scattered rows: a page fault reads its own page, not the
-            # readahead window around it (32 pages), which under a memory limit evicts
-            # what is in use for rows nobody asked for.
+            # device's readahead window around it (8 MiB on the development machines'
+            # disk), which under a memory limit evicts what is in use for rows nobody
+            # asked for.
             self._mmap.madvise(mmap.MADV_RANDOM)
         try:
             meta = json.loads(header)
