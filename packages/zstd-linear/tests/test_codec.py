@@ -304,3 +304,26 @@ def test_decode_many_checks_every_buffer_first_and_finishes_before_raising():
     for i in (0, 2, 3):
         assert np.array_equal(outs[i].numpy(), weights[i].view(-1).view(torch.uint8).numpy())
     decoder.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_chunks_into_gives_the_bytes_of_a_range_of_chunks(threads):
+    w = torch.randn(300, 100, generator=torch.Generator().manual_seed(9))  # 120,000 bytes
+    encoded = encode_weight(w, CodecConfig(chunk_bytes=16384))  # 8 chunks, the last short
+    whole = w.view(-1).view(torch.uint8).numpy()
+    decoder = Decoder(threads)
+    n = len(encoded.frames)
+    assert n == 8
+    for span in (range(0, 1), range(2, 5), range(7, 8), range(0, n)):
+        lo, hi = encoded.chunk_range(span.start)[0] * 4, encoded.chunk_range(span.stop - 1)[1] * 4
+        out = torch.full((hi - lo,), 7, dtype=torch.uint8)
+        decoder.decode_chunks_into(encoded, span, out)
+        assert np.array_equal(out.numpy(), whole[lo:hi])
+    for bad in (range(0, 0), range(3, 9), range(-1, 2), range(0, 4, 2), [0, 1]):
+        with pytest.raises(ValueError, match="chunks must be a non-empty range"):
+            decoder.decode_chunks_into(encoded, bad, torch.empty(16384, dtype=torch.uint8))
+    out = torch.full((16384,), 7, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out must be a contiguous uint8 tensor of 32768 bytes"):
+        decoder.decode_chunks_into(encoded, range(1, 3), out)
+    assert (out == 7).all()  # nothing written
+    decoder.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import zlib
 
 import torch
 import torch.nn as nn
@@ -109,3 +110,38 @@ def test_compressed_in_memory_frames_are_counted_as_anonymous():
     report = compress_model(model, policy="none")
     assert report.file_backed_bytes == 0 and report.anonymous_bytes == report.compressed_bytes
     assert compression_stats(model).compressed_anonymous_bytes == report.compressed_bytes
+
+
+def test_verifying_a_file_decodes_a_group_of_chunks_at_a_time(tmp_path, monkeypatch):
+    """Loading checks every weight's CRC without holding its largest layer decoded
+    (0.7 allocated the largest layer whole: SmolLM2's embedding, 113 MiB of anonymous
+    memory at load)."""
+    from zstd_linear import fileformat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False))  # 4 MiB float32
+    plain = nn.Sequential(nn.Linear(1024, 1024, bias=False))
+    plain.load_state_dict(model.state_dict())
+    compress_model(model, chunk_bytes=64 << 10)
+    path = tmp_path / "one.zlin"
+    save_compressed(model, path)
+    monkeypatch.setattr(fileformat, "VERIFY_GROUP_BYTES", 256 << 10)
+    sizes = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        sizes.append(out.nbytes)
+        return out
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    entries = read_file(path, threads=2)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert max(sizes) == 256 << 10  # 4 chunks of 64 KiB, not the 4 MiB weight
+    ((_, encoded, _),) = entries
+    assert encoded.crc32 == zlib.crc32(plain[0].weight.detach().numpy().tobytes())
+    fresh = nn.Sequential(nn.Linear(1024, 1024, bias=False))
+    load_compressed(path, fresh)
+    x = torch.randn(3, 1024)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), plain(x))

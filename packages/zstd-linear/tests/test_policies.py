@@ -253,7 +253,7 @@ def test_memory_limit_sizes_the_pinned_set_from_what_the_process_has_left(monkey
     # garbage collector runs: 18.6 MiB was seen in a release check), so the sizing is
     # checked against a fixed reading; the reading itself is tested below.
     anon = 500 << 20
-    monkeypatch.setattr(budget, "anonymous_rss", lambda: anon)
+    monkeypatch.setattr(budget, "resident_bytes", lambda skip: anon)
     _, _, none_fits = budget_model(memory_limit=0)
     assert none_fits.pinned == frozenset() and none_fits.budget_bytes == 0
     _, model, all_fit = budget_model(memory_limit=anon + (1 << 40))
@@ -264,19 +264,33 @@ def test_memory_limit_sizes_the_pinned_set_from_what_the_process_has_left(monkey
     assert some.pinned_bytes <= some.budget_bytes
 
 
-def test_anonymous_rss_reads_the_process_status():
+def test_resident_bytes_counts_anonymous_and_mapped_pages_but_the_skipped_mapping(tmp_path):
+    import mmap
     import re
     from pathlib import Path
 
-    from zstd_linear.policies.budget import anonymous_rss
+    import numpy as np
+
+    from zstd_linear.policies.budget import resident_bytes
 
     status = Path("/proc/self/status").read_text()
-    expected = int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
-    total = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
-    reading = anonymous_rss()
-    assert reading > 0
-    assert abs(reading - expected) < 16 << 20  # two reads a moment apart, in bytes
-    assert reading <= total + (16 << 20)  # anonymous pages are part of the resident set
+    anon = int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
+    file = int(re.search(r"RssFile:\s+(\d+) kB", status).group(1)) * 1024
+    # Two reads a moment apart move by a few MiB (the allocator, the garbage collector).
+    assert abs(resident_bytes() - (anon + file)) < 16 << 20
+    path = tmp_path / "frames.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8))
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        assert int(view[::4096].astype(np.int64).sum()) >= 0  # touch every page
+        address = view.ctypes.data
+        with_it, without = resident_bytes(), resident_bytes([address + 12345])
+        assert abs((with_it - without) - (32 << 20)) < 4 << 20
+        del view
+    finally:
+        mapping.close()
 
 
 def test_choose_pinned_keeps_the_costliest_bytes():
@@ -330,3 +344,159 @@ class BudgetMachine(RuleBasedStateMachine):
 
 TestBudget = BudgetMachine.TestCase
 TestBudget.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+def fake_proc(tmp_path, cgroup: str, mounts: list[tuple[str, str, str, str]]):
+    """A /proc/self stand-in: ``cgroup`` is its cgroup file; ``mounts`` are (root,
+    mount point, fs type, super options) lines of its mountinfo."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(
+        "".join(
+            f"{30 + i} 25 0:{40 + i} {root} {point} rw,nosuid - {fs} {fs} {opts}\n"
+            for i, (root, point, fs, opts) in enumerate(mounts)
+        )
+        + "25 1 253:1 / / rw,relatime - ext4 /dev/vda1 rw\n"
+    )
+    return proc
+
+
+def write_limit(base, path: str, file: str, value: str) -> None:
+    d = base.joinpath(*[p for p in path.split("/") if p])
+    d.mkdir(parents=True, exist_ok=True)
+    (d / file).write_text(value + "\n")
+
+
+def test_cgroup_v1_limit_is_the_smallest_of_the_group_and_those_above(tmp_path):
+    from zstd_linear.policies.budget import cgroup_memory_limit
+
+    mem = tmp_path / "sys" / "memory"
+    proc = fake_proc(
+        tmp_path,
+        "12:blkio:/job\n11:memory:/job/step\n0::/\n",
+        [
+            ("/", str(mem), "cgroup", "rw,memory"),
+            ("/", str(tmp_path / "blk"), "cgroup", "rw,blkio"),
+        ],
+    )
+    unlimited = str(2**63 - 4096)
+    write_limit(mem, "/", "memory.limit_in_bytes", unlimited)
+    write_limit(mem, "/job", "memory.limit_in_bytes", str(480 << 20))
+    write_limit(mem, "/job/step", "memory.limit_in_bytes", str(2 << 30))
+    assert cgroup_memory_limit(proc) == 480 << 20
+    write_limit(mem, "/job", "memory.limit_in_bytes", unlimited)
+    assert cgroup_memory_limit(proc) == 2 << 30
+    write_limit(mem, "/job/step", "memory.limit_in_bytes", unlimited)
+    assert cgroup_memory_limit(proc) is None
+
+
+def test_cgroup_v2_limit_reads_memory_max_and_a_namespaced_root(tmp_path):
+    from zstd_linear.policies.budget import cgroup_memory_limit
+
+    unified = tmp_path / "sys"
+    proc = fake_proc(tmp_path, "0::/user.slice/app\n", [("/", str(unified), "cgroup2", "rw")])
+    write_limit(unified, "/user.slice/app", "memory.max", "max")
+    write_limit(unified, "/user.slice", "memory.max", str(900 << 20))
+    assert cgroup_memory_limit(proc) == 900 << 20
+    write_limit(unified, "/user.slice", "memory.max", "max")
+    assert cgroup_memory_limit(proc) is None
+    # In a container the mount's root is the container's own group: its limit is at the
+    # mount point itself.
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    proc2 = fake_proc(inner, "0::/\n", [("/docker/abc", str(inner / "fs"), "cgroup2", "rw")])
+    write_limit(inner / "fs", "/", "memory.max", str(256 << 20))
+    assert cgroup_memory_limit(proc2) == 256 << 20
+    # No cgroup file at all (not Linux, /proc not mounted): no limit known.
+    assert cgroup_memory_limit(tmp_path / "nowhere") is None
+
+
+def test_memory_limit_auto_is_the_process_limit(monkeypatch):
+    from zstd_linear.policies import budget
+
+    anon = 500 << 20
+    monkeypatch.setattr(budget, "resident_bytes", lambda skip: anon)
+    monkeypatch.setattr(budget, "cgroup_memory_limit", lambda: anon + (64 << 20) + 2 * SLAB + 7)
+    _, _, policy = budget_model(memory_limit="auto")
+    assert policy.memory_limit == anon + (64 << 20) + 2 * SLAB + 7
+    assert policy.budget_bytes == 7
+    monkeypatch.setattr(budget, "cgroup_memory_limit", lambda: None)
+    _, _, policy = budget_model(memory_limit="auto")
+    assert policy.memory_limit == budget.physical_memory() > 0
+    with pytest.raises(ValueError, match='memory_limit must be an int >= 0 or "auto"'):
+        budget_model(memory_limit="max")
+
+
+def test_memory_limit_keeps_room_for_the_mapped_frames_and_charges_what_pinning_adds(
+    tmp_path, monkeypatch
+):
+    from zstd_linear import load_compressed, save_compressed
+    from zstd_linear.policies import budget
+
+    saved = make_toy()
+    compress_model(saved, policy="none")
+    path = tmp_path / "toy.zlin"
+    save_compressed(saved, path)
+    anon = 500 << 20
+    skipped = []
+    monkeypatch.setattr(budget, "resident_bytes", lambda skip: skipped.append(skip) or anon)
+    layers = compressed_layers(saved)
+    mapped = sum(lyr.encoded.compressed_bytes for lyr in layers.values())
+    reserve = 2 * SLAB + (64 << 20)
+
+    def loaded(limit):
+        model = make_toy(seed=3)
+        load_compressed(path, model, policy="budget", memory_limit=limit)
+        return model, model.__dict__["zstd_linear_runtime"].policy
+
+    # Room for the runtime but not for every mapped frame: nothing is pinned, so the
+    # streamed layers' compressed pages keep their place.
+    _, none = loaded(anon + reserve + mapped - 1)
+    assert none.budget_bytes == 0 and none.pinned == frozenset()
+    # The frames' own mapping is left out of what the process holds: one address in it.
+    assert len(skipped[-1]) == 1
+    # One more layer's worth: pinned layers are charged decoded - compressed bytes.
+    model, some = loaded(anon + reserve + mapped + SLAB)
+    enc = {n: lyr.encoded for n, lyr in compressed_layers(model).items()}
+    assert all(e.file_backed_bytes == e.compressed_bytes > 0 for e in enc.values())
+    charged = sum(enc[n].original_bytes - enc[n].file_backed_bytes for n in some.pinned)
+    assert some.budget_bytes == SLAB
+    assert 0 < charged <= SLAB < some.pinned_bytes
+    plain = make_toy()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 32)
+            assert torch.equal(model(x), plain(x))
+
+
+def test_cgroup_memory_limit_reads_a_real_group():
+    """A child process in a fresh cgroup v1 memory group, limited to 300 MiB, reads that
+    limit. Needs root and a v1 memory hierarchy (this machine and CI have both)."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    root = Path("/sys/fs/cgroup/memory")
+    if not (root.is_dir() and os.access(root, os.W_OK)):
+        pytest.skip("no writable cgroup v1 memory hierarchy (needs root)")
+    group = root / f"zstd-linear-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(300 << 20))
+        code = (
+            "import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
+            "from zstd_linear.policies.budget import cgroup_memory_limit, process_memory_limit;"
+            "print(cgroup_memory_limit(), process_memory_limit())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(group / "cgroup.procs")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert out == [str(300 << 20)] * 2
+    finally:
+        group.rmdir()

@@ -126,6 +126,38 @@ class Decoder:
             for c in range(len(encoded.frames)):
                 start, stop = encoded.chunk_range(c)
                 tasks.append((encoded, c, target[start * width : stop * width]))
+        self._run(tasks)
+
+    def decode_chunks_into(self, encoded: EncodedWeight, chunks: range, out: torch.Tensor) -> None:
+        """Decode the consecutive chunks ``chunks`` (a range with step 1) of ``encoded``
+        into ``out``: a uint8 CPU tensor of exactly their bytes (elements
+        ``chunk_range(chunks[0])[0]`` up to ``chunk_range(chunks[-1])[1]``, row-major),
+        the chunks shared among the threads."""
+        n = len(encoded.frames)
+        if not (
+            isinstance(chunks, range) and chunks.step == 1 and 0 <= chunks.start < chunks.stop <= n
+        ):
+            raise ValueError(
+                f"chunks must be a non-empty range(a, b) within 0..{n}, got {chunks!r}"
+            )
+        first = encoded.chunk_range(chunks.start)[0]
+        width = encoded.itemsize
+        nbytes = (encoded.chunk_range(chunks.stop - 1)[1] - first) * width
+        if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous uint8 tensor of {nbytes} bytes, got {out.dtype} "
+                f"of {out.numel()}"
+            )
+        target = out.numpy()
+        tasks = []
+        for c in chunks:
+            start, stop = encoded.chunk_range(c)
+            tasks.append((encoded, c, target[(start - first) * width : (stop - first) * width]))
+        self._run(tasks)
+
+    def _run(self, tasks: list) -> None:
+        """Decode ``tasks`` ((encoded, chunk, destination) each) on the threads; on an
+        error the other tasks finish, then the first error is raised."""
         if self._pool is None or len(tasks) == 1:
             for task in tasks:
                 self._decode_chunk(*task)

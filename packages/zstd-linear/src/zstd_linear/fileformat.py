@@ -259,23 +259,44 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
     return name, encoded, bias
 
 
+# A weight is verified this many bytes of chunks at a time (whole chunks, at least one),
+# so that loading never holds its largest layer decoded (SmolLM2's embedding: 113 MiB).
+VERIFY_GROUP_BYTES = 4 << 20
+
+
+def _verify_groups(encoded: EncodedWeight) -> list[tuple[range, int]]:
+    """(chunks, decoded bytes) of each group ``_verify_weights`` decodes at once."""
+    width = encoded.itemsize
+    group = max(1, VERIFY_GROUP_BYTES // (encoded.chunk_elems * width))
+    n = len(encoded.frames)
+    spans = [range(c, min(c + group, n)) for c in range(0, n, group)]
+    return [
+        (s, (encoded.chunk_range(s.stop - 1)[1] - encoded.chunk_range(s.start)[0]) * width)
+        for s in spans
+    ]
+
+
 def _verify_weights(path, entries: list[Entry], layers: list[LayerSpec], threads) -> None:
     """Decode every weight once and compare its bytes with the recorded checksum; the
-    verified CRC is kept on the EncodedWeight, so a later save writes the same record."""
-    largest = max((encoded.original_bytes for _, encoded, _ in entries), default=0)
+    verified CRC is kept on the EncodedWeight, so a later save writes the same record.
+    A weight is decoded a group of chunks at a time into one reused buffer."""
+    groups = [_verify_groups(encoded) for _, encoded, _ in entries]
+    largest = max((nbytes for spans in groups for _, nbytes in spans), default=0)
     try:
-        out = torch.empty(largest, dtype=torch.uint8)  # (largest,) reused for every layer
+        out = torch.empty(largest, dtype=torch.uint8)  # reused for every group
     except (RuntimeError, MemoryError):
-        raise fail(path, None, f"cannot allocate {largest} bytes for the largest layer") from None
+        raise fail(path, None, f"cannot allocate {largest} bytes to decode into") from None
     decoder = Decoder(threads)
     try:
         for i, (layer, (name, encoded, bias)) in enumerate(zip(layers, entries, strict=True)):
-            buf = out[: encoded.original_bytes]
-            try:
-                decoder.decode_into(encoded, buf)
-            except DecodeError as exc:
-                raise fail(path, name, str(exc)) from None
-            crc = zlib.crc32(buf.numpy())
+            crc = 0
+            for span, nbytes in groups[i]:
+                buf = out[:nbytes]
+                try:
+                    decoder.decode_chunks_into(encoded, span, buf)
+                except DecodeError as exc:
+                    raise fail(path, name, str(exc)) from None
+                crc = zlib.crc32(buf.numpy(), crc)
             if record_crc32(crc, name, "weight", layer.dtype, layer.shape) != layer.weight_crc32:
                 raise fail(
                     path,

@@ -17,11 +17,8 @@ from zstd_linear.layout import dtype_name
 class WeightSource(Protocol):
     """What serves a bound layer its decoded weight (the model's runtime)."""
 
-    def acquire(self, name: str) -> torch.Tensor:
-        """Layer ``name``'s decoded weight, (out_features, in_features), for one call."""
-
-    def release(self, name: str) -> None:
-        """The call that used ``acquire(name)``'s weight has returned."""
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, W, bias)`` with layer ``name``'s decoded weight W."""
 
 
 class CompressedLinear(CompressedModule):
@@ -83,11 +80,7 @@ class CompressedLinear(CompressedModule):
         container = self._container
         if container is None:
             return F.linear(x, self.weight, self.bias)
-        weight = container.acquire(self.name)
-        try:
-            return F.linear(x, weight, self.bias)
-        finally:
-            container.release(self.name)
+        return container.linear(self.name, x, self.bias)
 
     def _shape_repr(self) -> str:
         return (

@@ -7,6 +7,7 @@ import time
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from zstd_linear.buffers import BufferPool
 from zstd_linear.codec import view_weight
@@ -15,6 +16,15 @@ from zstd_linear.embedding import CompressedEmbedding
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.policies import BackingStore, CachePolicy, make_policy
 from zstd_linear.stats import DecodeStats
+
+# A streamed layer is decoded this many bytes at a time (whole chunks, at least one).
+STREAM_GROUP_BYTES = 4 << 20
+# ... and its output computed in blocks of a multiple of this many rows, counted from row
+# 0, the last block ending where the weight ends. The BLAS computes the rows of a block
+# past a multiple of its own blocking on another path, with other rounding (MKL on this
+# CPU: 4 rows for one token, 16 for several): blocks cut anywhere else gave logits that
+# differ in the last bits from the plain model's single F.linear.
+STREAM_ROW_BLOCK = 64
 
 
 class ModelRuntime:
@@ -26,6 +36,11 @@ class ModelRuntime:
     ``release`` for its weight, which the runtime passes on to the policy by name.
     embeddings: name -> CompressedEmbedding; a layer whose EncodedWeight is an
     embedding's (a tied lm_head) shares its frames.
+
+    A layer tied to an embedding is *streamed* unless the policy keeps it decoded
+    (``CachePolicy.keeps``: resident, per_pass, a budget's pinned set): its output is
+    computed a group of chunks (``STREAM_GROUP_BYTES``) at a time from one small reused
+    buffer, so its table (SmolLM2's is 113 MiB, ~25x a Linear) is never decoded whole.
 
     ``attach(root)`` counts the root module's forward passes (a forward pre-hook):
     ``pass_index`` never goes back (``stats.forward_passes`` is reset with the
@@ -53,16 +68,20 @@ class ModelRuntime:
         self.pass_index = 0
         self._hook = None
         # Slabs fit every Linear but a tied lm_head (the embedding table, ~25x a Linear of
-        # SmolLM2), which gets a slab of its own size instead of inflating every slab.
+        # SmolLM2), which is streamed (or, where the policy keeps it, gets a buffer of its
+        # own size) instead of inflating every slab.
         tied = {id(e.encoded) for e in self.embeddings.values()}
+        self.streamed = frozenset(n for n, lyr in layers.items() if id(lyr.encoded) in tied)
         own = [lyr for lyr in layers.values() if id(lyr.encoded) not in tied] or layers.values()
         self.pool = BufferPool(max(lyr.encoded.original_bytes for lyr in own), self.stats)
+        self._stream_buffer: torch.Tensor | None = None  # uint8, reused by streamed layers
         self._stats_lock = threading.Lock()
         self._store = BackingStore(
             pool=self.pool,
             decode=self._decode,
             encoded={name: lyr.encoded for name, lyr in self.layers.items()},
             record_wait=self._record_wait,
+            stream_bytes=max((self._stream_need(n) for n in self.streamed), default=0),
         )
         # Built before anything else starts threads, so bad options leave nothing behind.
         self.policy: CachePolicy = make_policy(policy, self._store, **policy_options)
@@ -84,6 +103,91 @@ class ModelRuntime:
     def release(self, name: str) -> None:
         """The call that used ``acquire(name)``'s weight has returned."""
         self.policy.release(name)
+
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Layer ``name``'s ``F.linear(x, W, bias)``, W served by the policy or streamed."""
+        if name in self.streamed and not self.policy.keeps(name):
+            if x.numel() == x.shape[-1]:
+                return self._streamed_linear(name, x, bias)
+            return self._whole_linear(name, x, bias)
+        weight = self.acquire(name)
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            self.release(name)
+
+    def _whole_linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A streamed layer called on several rows of x: decoded whole into a buffer
+        freed when the call returns. Blocks of a matrix product over several rows are
+        not bit-identical to the whole product here (MKL splits the rows of W between
+        its threads by their number), so only a single row of x is streamed; generation
+        asks the lm_head for the last position only, one row per sequence."""
+        encoded = self.layers[name].encoded
+        buf = self.pool.dedicated(encoded.original_bytes)
+        try:
+            return F.linear(x, self._decode(name, buf), bias)
+        finally:
+            self.pool.drop_dedicated(buf)
+
+    def _stream_group(self, name: str) -> int:
+        """Chunks of layer ``name`` decoded at a time when it is streamed."""
+        encoded = self.layers[name].encoded
+        return max(1, STREAM_GROUP_BYTES // (encoded.chunk_elems * encoded.itemsize))
+
+    def _stream_need(self, name: str) -> int:
+        """Bytes of the buffer that streams layer ``name``: a group of chunks, and the
+        rows carried over from the group before (less than a block and a row), never
+        more than the whole weight."""
+        encoded = self.layers[name].encoded
+        elems = self._stream_group(name) * encoded.chunk_elems
+        need = (elems + (STREAM_ROW_BLOCK + 1) * encoded.shape[1]) * encoded.itemsize
+        return min(need, encoded.original_bytes)
+
+    def _streamed_linear(
+        self, name: str, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``F.linear`` over a weight decoded a group of chunks at a time: x (..., in)
+        -> (..., out). Rows cut by a group's end are carried to the front of the buffer
+        and finished by the next group."""
+        encoded = self.layers[name].encoded
+        out_features, in_features = encoded.shape
+        width, dtype = encoded.itemsize, encoded.torch_dtype
+        group = self._stream_group(name)
+        need = self._stream_need(name)
+        buf = self._stream_buffer
+        if buf is None or buf.numel() < need:
+            if buf is not None:
+                self.pool.drop_dedicated(buf)
+            buf = self._stream_buffer = self.pool.dedicated(need)
+        out = x.new_empty(*x.shape[:-1], out_features)
+        start = time.perf_counter()
+        carry = row = 0  # elements from row ``row`` on, already at the buffer's front
+        chunks = len(encoded.frames)
+        for first in range(0, chunks, group):
+            span = range(first, min(first + group, chunks))
+            lo, hi = encoded.chunk_range(span.start)[0], encoded.chunk_range(span.stop - 1)[1]
+            total = carry + hi - lo
+            self.decoder.decode_chunks_into(encoded, span, buf[carry * width : total * width])
+            rows = total // in_features
+            if span.stop < chunks:
+                rows -= rows % STREAM_ROW_BLOCK
+            if rows:
+                weight = buf[: rows * in_features * width].view(dtype).view(rows, in_features)
+                part = None if bias is None else bias[row : row + rows]
+                out[..., row : row + rows] = F.linear(x, weight, part)
+                row += rows
+            # What is left (rows short of a block, a row cut by the group's end) moves to
+            # the buffer's front, where the weight's rows stay 64-byte aligned.
+            done, carry = rows * in_features * width, total - rows * in_features
+            if rows and carry:
+                rest = buf[done : done + carry * width]
+                buf[: carry * width].copy_(rest.clone() if done < carry * width else rest)
+        seconds = time.perf_counter() - start
+        with self._stats_lock:
+            self.stats.decompressions += 1
+            self.stats.bytes_decoded += encoded.original_bytes
+            self.stats.seconds_decoding += seconds
+        return out
 
     def attach(self, root: nn.Module) -> None:
         if self._hook is not None:
@@ -132,6 +236,9 @@ class ModelRuntime:
     def close(self) -> None:
         self.policy.close()
         self.pool.trim()
+        if self._stream_buffer is not None:
+            self.pool.drop_dedicated(self._stream_buffer)
+            self._stream_buffer = None
         self.decoder.close()
         if self._hook is not None:
             self._hook.remove()

@@ -29,12 +29,15 @@ class BackingStore:
     (out_features, in_features), the layer's dtype; counted in the model's stats.
     encoded: name -> the layer's EncodedWeight (sizes, frames), in the model's order.
     record_wait: ``record_wait(seconds)``: time a forward call waited for a weight.
+    stream_bytes: the buffer the runtime streams a layer tied to an embedding through,
+    where it has one (see ``CachePolicy.keeps``); 0 otherwise.
     """
 
     pool: BufferPool
     decode: Callable[[str, torch.Tensor], torch.Tensor]
     encoded: Mapping[str, EncodedWeight]
     record_wait: Callable[[float], None]
+    stream_bytes: int = 0
 
     def nbytes(self, name: str) -> int:
         """Decoded bytes of layer ``name``."""
@@ -62,6 +65,14 @@ class CachePolicy(ABC):
 
     def release(self, name: str) -> None:  # noqa: B027 - most keep the weight
         """The F.linear that used ``acquire(name)``'s weight has returned."""
+
+    def keeps(self, name: str) -> bool:
+        """Whether this policy keeps layer ``name`` decoded from one pass to the next.
+
+        The runtime streams a layer tied to an embedding (a group of chunks at a time,
+        never the whole table) unless its policy keeps it: then ``acquire`` serves it.
+        """
+        return False
 
     @abstractmethod
     def close(self) -> None:

@@ -9,6 +9,9 @@ other layer is decoded ahead and freed after use, as under per_pass_prefetch.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from zstd_linear.policies.base import BackingStore, CachePolicy
@@ -39,8 +42,9 @@ def decode_cost(encoded) -> float:
 
 
 def choose_pinned(sizes: dict[str, int], costs: dict[str, float], budget: int) -> list[str]:
-    """Names whose decoded bytes fit ``budget``, chosen to leave the least decode cost:
-    greedy by cost saved per byte pinned, then any smaller layer that still fits."""
+    """Names whose ``sizes`` (the bytes each costs to pin) fit ``budget``, chosen to
+    leave the least decode cost: greedy by cost saved per byte pinned, then any smaller
+    layer that still fits."""
     chosen, used = [], 0
     for name in sorted(sizes, key=lambda n: (-costs[n] / max(1, sizes[n]), n)):
         if used + sizes[name] <= budget:
@@ -49,21 +53,139 @@ def choose_pinned(sizes: dict[str, int], costs: dict[str, float], budget: int) -
     return chosen
 
 
-def anonymous_rss() -> int:
-    """The process's anonymous resident bytes (RssAnon of /proc/self/status)."""
-    with open("/proc/self/status") as f:
+UNLIMITED = 1 << 62  # a cgroup v1 limit at or above this means none (the kernel writes ~2**63)
+
+
+def _mounts(mountinfo: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(cgroup v1 memory mounts, cgroup v2 mounts), each as (root in the hierarchy, mount
+    point), from the text of /proc/self/mountinfo."""
+    v1, v2 = [], []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        after = line.split(" - ", 1)[1].split()
+        if not after:
+            continue
+        root, point = fields[3], fields[4].replace("\\040", " ")
+        if after[0] == "cgroup2":
+            v2.append((root, point))
+        elif after[0] == "cgroup" and "memory" in (after[-1].split(",") if len(after) > 2 else []):
+            v1.append((root, point))
+    return v1, v2
+
+
+def _walk_limits(point: str, root: str, path: str, file: str) -> list[int]:
+    """The limits written in ``file`` of the group at hierarchy ``path`` and of every
+    group above it that the mount (of hierarchy ``root`` at ``point``) shows."""
+    rel = path
+    if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
+        rel = path[len(root) :]
+    elif root != "/":
+        rel = "/"  # a namespaced mount shows our group as its root
+    parts = [p for p in rel.split("/") if p]
+    limits = []
+    for depth in range(len(parts), -1, -1):
+        target = Path(point, *parts[:depth], file)
+        try:
+            text = target.read_text().strip()
+        except OSError:
+            continue
+        if text != "max":
+            try:
+                value = int(text)
+            except ValueError:
+                continue
+            if value < UNLIMITED:
+                limits.append(value)
+    return limits
+
+
+def cgroup_memory_limit(proc: str | os.PathLike = "/proc/self") -> int | None:
+    """The hard memory limit of the cgroups this process is in, in bytes: the smallest
+    ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) of its group and the groups
+    above it; None where no group sets one (or cgroups are not mounted)."""
+    proc = Path(proc)
+    try:
+        groups = (proc / "cgroup").read_text()
+        v1_mounts, v2_mounts = _mounts((proc / "mountinfo").read_text())
+    except OSError:
+        return None
+    limits: list[int] = []
+    for line in groups.splitlines():
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":
+            for root, point in v2_mounts:
+                limits += _walk_limits(point, root, path, "memory.max")
+        elif "memory" in controllers.split(","):
+            for root, point in v1_mounts:
+                limits += _walk_limits(point, root, path, "memory.limit_in_bytes")
+    return min(limits) if limits else None
+
+
+def physical_memory() -> int:
+    """MemTotal of /proc/meminfo, in bytes."""
+    with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no RssAnon line")
+    raise RuntimeError("/proc/meminfo has no MemTotal line")
+
+
+def process_memory_limit() -> int:
+    """What ``memory_limit="auto"`` stands for: the cgroup's hard limit
+    (``cgroup_memory_limit``), or the machine's memory where there is none."""
+    limit = cgroup_memory_limit()
+    return min(limit, physical_memory()) if limit is not None else physical_memory()
+
+
+def resident_bytes(skip: list[int] = ()) -> int:
+    """What the process holds resident now and needs to go on: its anonymous pages and
+    the pages of the files it maps (shared libraries' code and data above all, which a
+    limit too tight for them makes the kernel read again and again), except the mappings
+    that hold an address in ``skip`` (the compressed frames, counted apart). From the Rss
+    of each mapping in /proc/self/smaps."""
+    total = 0
+    counted = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header
+                lo, hi = (int(v, 16) for v in head[0].split("-"))
+                file_backed = head[4] != "0"
+                counted = not (file_backed and any(lo <= a < hi for a in skip))
+            elif counted and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+def frame_addresses(store: BackingStore) -> list[int]:
+    """One address inside each distinct mapping the store's file-backed frames live in."""
+    import numpy as np
+
+    seen: dict[int, int] = {}
+    for encoded in store.encoded.values():
+        for chunk in encoded.frames:
+            for frame in chunk:
+                if frame.file_backed and len(frame.data):
+                    base = id(frame.data.obj) if isinstance(frame.data, memoryview) else 0
+                    if base not in seen:
+                        seen[base] = np.frombuffer(frame.data, dtype=np.uint8).ctypes.data
+    return list(seen.values())
 
 
 class Budget(CachePolicy):
     """budget_bytes: int >= 0, decoded bytes to pin (0 = per_pass_prefetch, the total of
-    every layer = resident). Or memory_limit: the whole process's limit in bytes; the
-    pinned set then gets what is left after the process's anonymous memory now, the
-    prefetch window's slabs and ``headroom_bytes`` (activations, the working set of
-    file-backed pages). window: as for per_pass_prefetch.
+    every layer = resident). Or memory_limit: the whole process's limit in bytes, or
+    ``"auto"`` for the cgroup's hard limit (the machine's memory where there is none).
+    The pinned set then gets what is left after what the process holds resident now
+    (``resident_bytes``: anonymous memory and the mapped libraries' pages), the prefetch
+    window's slabs and stream buffer, ``headroom_bytes`` (activations, code not run
+    yet) and the compressed bytes that live in a mapped file (the pages every streamed
+    layer is decoded from; evicting them would read them from storage on every pass). A
+    pinned layer is charged its decoded bytes less its file-backed compressed bytes,
+    which it no longer reads. ``budget_bytes`` is then that memory. window: as for
+    per_pass_prefetch.
 
     ``hit_rates`` lists, per finished pass, the fraction of layer calls served by a
     pinned weight without a decode.
@@ -76,10 +198,12 @@ class Budget(CachePolicy):
         store: BackingStore,
         budget_bytes: int | None = None,
         *,
-        memory_limit: int | None = None,
+        memory_limit: int | str | None = None,
         headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
         window: int = 2,
     ):
+        if memory_limit == "auto":
+            memory_limit = process_memory_limit()
         for param, value in (
             ("budget_bytes", budget_bytes),
             ("memory_limit", memory_limit),
@@ -88,7 +212,8 @@ class Budget(CachePolicy):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
-                raise ValueError(f"{param} must be an int >= 0, got {value!r}")
+                kind = 'an int >= 0 or "auto"' if param == "memory_limit" else "an int >= 0"
+                raise ValueError(f"{param} must be {kind}, got {value!r}")
         if (budget_bytes is None) == (memory_limit is None):
             raise ValueError(
                 "give exactly one of budget_bytes (decoded bytes to pin) or memory_limit "
@@ -98,13 +223,21 @@ class Budget(CachePolicy):
         stream = PerPassPrefetch(store, window=window)  # validates window
         super().__init__(store)
         self._stream = stream
-        if memory_limit is not None:
-            reserve = window * store.pool.slab_bytes + headroom_bytes
-            budget_bytes = max(0, memory_limit - anonymous_rss() - reserve)
-        self.budget_bytes = budget_bytes
         sizes = {n: e.original_bytes for n, e in store.encoded.items()}
         costs = {n: decode_cost(e) for n, e in store.encoded.items()}
-        self.pinned: frozenset[str] = frozenset(choose_pinned(sizes, costs, budget_bytes))
+        charges = sizes
+        if memory_limit is not None:
+            stored = {id(e): e for e in store.encoded.values()}.values()  # a tie counts once
+            mapped = sum(e.file_backed_bytes for e in stored)
+            reserve = window * store.pool.slab_bytes + store.stream_bytes + headroom_bytes
+            held = resident_bytes(frame_addresses(store))
+            budget_bytes = max(0, memory_limit - held - reserve - mapped)
+            charges = {
+                n: max(0, e.original_bytes - e.file_backed_bytes) for n, e in store.encoded.items()
+            }
+        self.budget_bytes = budget_bytes
+        self.memory_limit = memory_limit
+        self.pinned: frozenset[str] = frozenset(choose_pinned(charges, costs, budget_bytes))
         self.pinned_bytes = sum(sizes[n] for n in self.pinned)
         self._buffers: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
@@ -132,6 +265,9 @@ class Budget(CachePolicy):
     def release(self, name: str) -> None:
         if name not in self.pinned:
             self._stream.release(name)
+
+    def keeps(self, name: str) -> bool:
+        return name in self.pinned
 
     def cached(self) -> list[str]:
         """Names of the pinned layers decoded so far, sorted."""

@@ -38,6 +38,9 @@ class PerPass(CachePolicy):
             self._decoded_in[name] = self._pass
         return self._weights[name]
 
+    def keeps(self, name: str) -> bool:
+        return True  # every layer keeps its own buffer between passes
+
     def close(self) -> None:
         for buf in self._buffers.values():
             self.store.pool.drop_dedicated(buf)

@@ -24,6 +24,9 @@ class Resident(CachePolicy):
             weight = self._weights[name] = self.store.decode(name, buf)
         return weight
 
+    def keeps(self, name: str) -> bool:
+        return True
+
     def close(self) -> None:
         for buf in self._buffers.values():
             self.store.pool.drop_dedicated(buf)
