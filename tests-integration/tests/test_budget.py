@@ -199,6 +199,31 @@ def test_targets_are_judged_from_the_measurements():
     assert not got["tight: zstd_linear >= 2.0x plain tokens/s, same answer"]["met"]
 
 
+def test_a_row_and_its_baseline_from_different_runs_are_not_compared():
+    from membound_integration.budget.suite import OTHER_RUN, _targets
+
+    raw = _raw(
+        {"plain": {"tight": 0.3, "ample": 10.0}, "zstd_linear": {"tight": 0.9, "ample": 10.0}},
+        {"plain": 400, "zstd_linear": 380},
+    )
+    for row, run in (("plain", "2026-11-26 10:42 UTC"), ("zstd_linear", "2026-11-26 06:42 UTC")):
+        for entry in [*raw[row]["profiles"].values(), raw[row]["min_limit"]]:
+            entry["run"] = run
+    got = {t["target"]: t for t in _targets(raw)}
+    for target in (
+        "zstd_linear: minimum hard limit below plain's",
+        "tight: zstd_linear >= 2.0x plain tokens/s, same answer",
+        "ample: zstd_linear >= 0.9x plain tokens/s",
+    ):
+        assert not got[target]["met"], target
+        assert got[target]["measured"].endswith(f"({OTHER_RUN})"), got[target]
+    for entry in [*raw["zstd_linear"]["profiles"].values(), raw["zstd_linear"]["min_limit"]]:
+        entry["run"] = "2026-11-26 10:42 UTC"  # the same run: compared again
+    got = {t["target"]: t for t in _targets(raw)}
+    assert got["zstd_linear: minimum hard limit below plain's"]["met"]
+    assert got["tight: zstd_linear >= 2.0x plain tokens/s, same answer"]["met"]
+
+
 def test_a_child_that_cannot_join_its_group_is_an_error_not_a_measurement(monkeypatch):
     """If the wrapper cannot put the child in the group, the command must not run unlimited."""
     real_wrap = cgroup.Cgroup.wrap
