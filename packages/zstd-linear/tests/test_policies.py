@@ -271,7 +271,7 @@ def test_resident_bytes_counts_anonymous_and_mapped_pages_but_the_skipped_mappin
 
     import numpy as np
 
-    from zstd_linear.policies.budget import resident_bytes
+    from zstd_linear.sysmem import resident_bytes
 
     status = Path("/proc/self/status").read_text()
     anon = int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) * 1024
@@ -369,7 +369,7 @@ def write_limit(base, path: str, file: str, value: str) -> None:
 
 
 def test_cgroup_v1_limit_is_the_smallest_of_the_group_and_those_above(tmp_path):
-    from zstd_linear.policies.budget import cgroup_memory_limit
+    from zstd_linear.sysmem import cgroup_memory_limit
 
     mem = tmp_path / "sys" / "memory"
     proc = fake_proc(
@@ -392,7 +392,7 @@ def test_cgroup_v1_limit_is_the_smallest_of_the_group_and_those_above(tmp_path):
 
 
 def test_cgroup_v2_limit_reads_memory_max_and_a_namespaced_root(tmp_path):
-    from zstd_linear.policies.budget import cgroup_memory_limit
+    from zstd_linear.sysmem import cgroup_memory_limit
 
     unified = tmp_path / "sys"
     proc = fake_proc(tmp_path, "0::/user.slice/app\n", [("/", str(unified), "cgroup2", "rw")])
@@ -413,17 +413,18 @@ def test_cgroup_v2_limit_reads_memory_max_and_a_namespaced_root(tmp_path):
 
 
 def test_memory_limit_auto_is_the_process_limit(monkeypatch):
+    from zstd_linear import sysmem
     from zstd_linear.policies import budget
 
     anon = 500 << 20
     monkeypatch.setattr(budget, "resident_bytes", lambda skip: anon)
-    monkeypatch.setattr(budget, "cgroup_memory_limit", lambda: anon + (64 << 20) + 2 * SLAB + 7)
+    monkeypatch.setattr(sysmem, "cgroup_memory_limit", lambda: anon + (64 << 20) + 2 * SLAB + 7)
     _, _, policy = budget_model(memory_limit="auto")
     assert policy.memory_limit == anon + (64 << 20) + 2 * SLAB + 7
     assert policy.budget_bytes == 7
-    monkeypatch.setattr(budget, "cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(sysmem, "cgroup_memory_limit", lambda: None)
     _, _, policy = budget_model(memory_limit="auto")
-    assert policy.memory_limit == budget.physical_memory() > 0
+    assert policy.memory_limit == sysmem.physical_memory() > 0
     with pytest.raises(ValueError, match='memory_limit must be an int >= 0 or "auto"'):
         budget_model(memory_limit="max")
 
@@ -488,7 +489,7 @@ def test_cgroup_memory_limit_reads_a_real_group():
         (group / "memory.limit_in_bytes").write_text(str(300 << 20))
         code = (
             "import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
-            "from zstd_linear.policies.budget import cgroup_memory_limit, process_memory_limit;"
+            "from zstd_linear.sysmem import cgroup_memory_limit, process_memory_limit;"
             "print(cgroup_memory_limit(), process_memory_limit())"
         )
         out = subprocess.run(
