@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch
 from end_to_end import aligned_plain_model, decode_steps
 
 from zstd_linear import (
@@ -45,54 +46,81 @@ def run(quick: bool = False, repeats: int | None = None) -> dict | None:
     runs = [("per_pass_prefetch", {})] + [
         (f"budget {round(f * 100)}%", {"budget_bytes": int(f * total)}) for f in FRACTIONS
     ]
-    times: dict[str, list[float]] = {"plain": [], **{name: [] for name, _ in runs}}
+    # torch's own threads and the decode threads share the cores: each run is timed with
+    # torch at its default thread count and at one thread (the plain model too; the faster
+    # plain is the baseline).
+    default_threads = torch.get_num_threads()
+    thread_counts = sorted({default_threads, 1}, reverse=True)
+    times: dict[tuple[str, int], list[float]] = {}
     facts: dict[str, tuple] = {}
-    for _ in range(repeats):
-        sec, ref_tokens = decode_steps(plain, ids, n_tokens)
-        times["plain"].append(sec)
-        for name, options in runs:
-            policy = "budget" if name.startswith("budget") else name
-            set_policy(model, policy, **options)
-            reset_stats(model)
-            sec, tokens = decode_steps(model, ids, n_tokens)
-            if tokens != ref_tokens:
-                raise AssertionError(f"{name}: tokens differ from the plain model")
-            times[name].append(sec)
-            live = model.zstd_linear_runtime.policy
-            stats = compression_stats(model)
-            facts[name] = (
-                getattr(live, "pinned_bytes", 0),
-                live.hit_rates[-1] if getattr(live, "hit_rates", None) else None,
-                stats.peak_decoded_bytes,
-            )
+    try:
+        for _ in range(repeats):
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                sec, ref_tokens = decode_steps(plain, ids, n_tokens)
+                times.setdefault(("plain", threads), []).append(sec)
+                for name, options in runs:
+                    policy = "budget" if name.startswith("budget") else name
+                    set_policy(model, policy, **options)
+                    reset_stats(model)
+                    sec, tokens = decode_steps(model, ids, n_tokens)
+                    if tokens != ref_tokens:
+                        raise AssertionError(f"{name}: tokens differ from the plain model")
+                    times.setdefault((name, threads), []).append(sec)
+                    live = model.zstd_linear_runtime.policy
+                    stats = compression_stats(model)
+                    facts[name] = (
+                        getattr(live, "pinned_bytes", 0),
+                        live.hit_rates[-1] if getattr(live, "hit_rates", None) else None,
+                        stats.peak_decoded_bytes,
+                    )
+    finally:
+        torch.set_num_threads(default_threads)
     med = statistics.median
-    plain_tok = med(times["plain"])
-    rows = [["plain (uncompressed, aligned)", "-", "-", round(plain_tok * 1e3, 1), "1.00", "-"]]
-    for name, _ in runs:
-        tok = med(times[name])
-        pinned, hit, peak = facts[name]
+    plain_tok = min(med(times[("plain", t)]) for t in thread_counts)
+    rows = []
+    for threads in thread_counts:
+        tok = med(times[("plain", threads)])
         rows.append(
             [
-                name,
-                round(pinned / 2**20, 1),
-                "-" if hit is None else f"{hit:.2f}",
+                f"plain (uncompressed, aligned), torch {threads} thread(s)",
+                "-",
+                "-",
                 round(tok * 1e3, 1),
                 f"{tok / plain_tok:.2f}",
-                round(peak / 2**20, 1),
+                "-",
             ]
         )
-    half = med(times["budget 50%"]) / plain_tok
+    for name, _ in runs:
+        pinned, hit, peak = facts[name]
+        for threads in thread_counts:
+            tok = med(times[(name, threads)])
+            rows.append(
+                [
+                    f"{name}, torch {threads} thread(s)",
+                    round(pinned / 2**20, 1),
+                    "-" if hit is None else f"{hit:.2f}",
+                    round(tok * 1e3, 1),
+                    f"{tok / plain_tok:.2f}",
+                    round(peak / 2**20, 1),
+                ]
+            )
+
+    def best(name):
+        return min(med(times[(name, t)]) for t in thread_counts) / plain_tok
+
+    half = best("budget 50%")
     targets = [
         {
             "target": "budget with 50% of the decoded bytes pinned, one token at a time: "
-            "<= 2.5x plain ms/token",
+            "<= 2.5x plain ms/token (each at its faster torch thread count)",
             "measured": f"{half:.2f}x",
             "met": half <= 2.5,
         },
         {
             "target": "budget 100% ~ resident: <= 1.1x plain ms/token",
-            "measured": f"{med(times['budget 100%']) / plain_tok:.2f}x",
-            "met": med(times["budget 100%"]) / plain_tok <= 1.1,
+            "measured": f"{best('budget 100%'):.2f}x",
+            "met": best("budget 100%") <= 1.1,
         },
     ]
     columns = [
@@ -112,7 +140,10 @@ def run(quick: bool = False, repeats: int | None = None) -> dict | None:
         f"Medians of {repeats} interleaved repeats; every run's tokens equal the plain "
         "model's. Plain has its Linear weights in fresh (aligned) memory. Pinned layers are "
         "chosen by decode cost saved per byte; the rest streams with per_pass_prefetch "
-        "(window 2). SmolLM2's weights come from a Q4_1 GGUF."
+        "(window 2), decoded by 2 threads; 'torch 1 thread(s)' runs torch.set_num_threads(1) "
+        "for the model's own compute, so that torch's threads and the decode threads do not "
+        "contend for the 2 cores. x plain: against the faster plain run. SmolLM2's weights "
+        "come from a Q4_1 GGUF."
     )
     if quick:
         from common import markdown
