@@ -9,6 +9,7 @@ other layer is decoded ahead and freed after use, as under per_pass_prefetch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from zstd_linear.policies.base import BackingStore, CachePolicy
@@ -53,8 +54,6 @@ def choose_pinned(sizes: dict[str, int], costs: dict[str, float], budget: int) -
 
 def frame_addresses(store: BackingStore) -> list[int]:
     """One address inside each distinct mapping the store's file-backed frames live in."""
-    import numpy as np
-
     seen: dict[int, int] = {}
     for encoded in store.encoded.values():
         for chunk in encoded.frames:
