@@ -184,6 +184,17 @@ class EncodedWeight:
     def expected_chunks(self) -> int:
         return max(1, -(-self.numel // self.chunk_elems))
 
+    def chunk_groups(self, max_bytes: int) -> list[range]:
+        """The chunks in consecutive groups of at most ``max_bytes`` decoded bytes (at
+        least one chunk each), to decode a weight a group at a time."""
+        group = max(1, max_bytes // (self.chunk_elems * self.itemsize))
+        n = len(self.frames)
+        return [range(c, min(c + group, n)) for c in range(0, n, group)]
+
+    def span_range(self, chunks: range) -> tuple[int, int]:
+        """The elements [start, stop) of the consecutive chunks ``chunks``."""
+        return self.chunk_range(chunks.start)[0], self.chunk_range(chunks.stop - 1)[1]
+
 
 def view_weight(raw: torch.Tensor, encoded: EncodedWeight) -> torch.Tensor:
     """raw: (original_bytes,) uint8 -> the weight, encoded.shape, encoded's dtype (a view)."""

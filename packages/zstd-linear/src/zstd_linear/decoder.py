@@ -140,9 +140,9 @@ class Decoder:
             raise ValueError(
                 f"chunks must be a non-empty range(a, b) within 0..{n}, got {chunks!r}"
             )
-        first = encoded.chunk_range(chunks.start)[0]
+        first, last = encoded.span_range(chunks)
         width = encoded.itemsize
-        nbytes = (encoded.chunk_range(chunks.stop - 1)[1] - first) * width
+        nbytes = (last - first) * width
         if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
             raise ValueError(
                 f"out must be a contiguous uint8 tensor of {nbytes} bytes, got {out.dtype} "

@@ -264,23 +264,19 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
 VERIFY_GROUP_BYTES = 4 << 20
 
 
-def _verify_groups(encoded: EncodedWeight) -> list[tuple[range, int]]:
-    """(chunks, decoded bytes) of each group ``_verify_weights`` decodes at once."""
-    width = encoded.itemsize
-    group = max(1, VERIFY_GROUP_BYTES // (encoded.chunk_elems * width))
-    n = len(encoded.frames)
-    spans = [range(c, min(c + group, n)) for c in range(0, n, group)]
-    return [
-        (s, (encoded.chunk_range(s.stop - 1)[1] - encoded.chunk_range(s.start)[0]) * width)
-        for s in spans
-    ]
+def _span_bytes(encoded: EncodedWeight, chunks: range) -> int:
+    lo, hi = encoded.span_range(chunks)
+    return (hi - lo) * encoded.itemsize
 
 
 def _verify_weights(path, entries: list[Entry], layers: list[LayerSpec], threads) -> None:
     """Decode every weight once and compare its bytes with the recorded checksum; the
     verified CRC is kept on the EncodedWeight, so a later save writes the same record.
     A weight is decoded a group of chunks at a time into one reused buffer."""
-    groups = [_verify_groups(encoded) for _, encoded, _ in entries]
+    groups = [
+        [(span, _span_bytes(encoded, span)) for span in encoded.chunk_groups(VERIFY_GROUP_BYTES)]
+        for _, encoded, _ in entries
+    ]
     largest = max((nbytes for spans in groups for _, nbytes in spans), default=0)
     try:
         out = torch.empty(largest, dtype=torch.uint8)  # reused for every group

@@ -129,17 +129,14 @@ class ModelRuntime:
         finally:
             self.pool.drop_dedicated(buf)
 
-    def _stream_group(self, name: str) -> int:
-        """Chunks of layer ``name`` decoded at a time when it is streamed."""
-        encoded = self.layers[name].encoded
-        return max(1, STREAM_GROUP_BYTES // (encoded.chunk_elems * encoded.itemsize))
-
     def _stream_need(self, name: str) -> int:
         """Bytes of the buffer that streams layer ``name``: a group of chunks, and the
         rows carried over from the group before (less than a block and a row), never
         more than the whole weight."""
         encoded = self.layers[name].encoded
-        elems = self._stream_group(name) * encoded.chunk_elems
+        elems = (
+            len(encoded.chunk_groups(STREAM_GROUP_BYTES)[0]) * encoded.chunk_elems
+        )  # the largest
         need = (elems + (STREAM_ROW_BLOCK + 1) * encoded.shape[1]) * encoded.itemsize
         return min(need, encoded.original_bytes)
 
@@ -152,7 +149,6 @@ class ModelRuntime:
         encoded = self.layers[name].encoded
         out_features, in_features = encoded.shape
         width, dtype = encoded.itemsize, encoded.torch_dtype
-        group = self._stream_group(name)
         need = self._stream_need(name)
         buf = self._stream_buffer
         if buf is None or buf.numel() < need:
@@ -163,9 +159,8 @@ class ModelRuntime:
         start = time.perf_counter()
         carry = row = 0  # elements from row ``row`` on, already at the buffer's front
         chunks = len(encoded.frames)
-        for first in range(0, chunks, group):
-            span = range(first, min(first + group, chunks))
-            lo, hi = encoded.chunk_range(span.start)[0], encoded.chunk_range(span.stop - 1)[1]
+        for span in encoded.chunk_groups(STREAM_GROUP_BYTES):
+            lo, hi = encoded.span_range(span)
             total = carry + hi - lo
             self.decoder.decode_chunks_into(encoded, span, buf[carry * width : total * width])
             rows = total // in_features
