@@ -11,7 +11,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent
 MODULE_NAME = "_zstd_linear_core"
-SOURCES = ["zl_bitpack.c", "zl_join.c"]
+SOURCES = ["zl_bitpack.c", "zl_decode.c", "zl_join.c"]
 HEADERS = ["zstd_linear.h"]
 # -O3 vectorises the join loops; no -march: a wheel must run on any x86-64 / aarch64 machine.
 COMPILE_ARGS = ["-std=c11", "-O3", "-Wall", "-Wextra"]

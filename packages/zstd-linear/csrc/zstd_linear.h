@@ -1,5 +1,5 @@
-/* The zstd-linear C core: joining byte planes back into float bit patterns, and
- * unpacking bit-packed planes.
+/* The zstd-linear C core: joining byte planes back into float bit patterns, unpacking
+ * bit-packed planes, and decoding whole chunks (frames -> planes -> values) in one call.
  *
  * A chunk of E values of width n bytes (n = 2 or 4) is stored as n planes of E bytes:
  * plane p holds byte p (little-endian) of each value after the value was rotated left
@@ -41,6 +41,57 @@ size_t zl_bitpack_size(size_t n, uint8_t mask);
  * mask) or ZL_ERR_NULL (src NULL); nothing is written unless ZL_OK. With out NULL it
  * only checks src and writes nothing. */
 int zl_unpack_bits(size_t n, const uint8_t *src, size_t src_len, uint8_t *out);
+
+#define ZL_ERR_FRAME -6
+
+/* Frame kinds, as numbered in the .zlin header (codec.FRAME_KINDS). */
+#define ZL_FRAME_ZSTD 0
+#define ZL_FRAME_RAW 1
+#define ZL_FRAME_BITPACK 2
+
+/* The two libzstd functions a chunk decode needs, handed in by the caller (the package
+ * takes them from python-zstandard's bundled libzstd), so that the core is built without
+ * zstd's headers or library: ZSTD_decompressDCtx and ZSTD_isError. */
+typedef size_t (*zl_zstd_decompress_fn)(void *dctx, void *dst, size_t dst_capacity,
+                                        const void *src, size_t src_size);
+typedef unsigned (*zl_zstd_is_error_fn)(size_t code);
+
+typedef struct {
+    zl_zstd_decompress_fn decompress;
+    zl_zstd_is_error_fn is_error;
+} zl_zstd;
+
+typedef struct {
+    const uint8_t *data;
+    size_t size;
+    int kind; /* ZL_FRAME_* */
+} zl_frame;
+
+/* One chunk of a weight: n elements at byte offset `offset` of the weight, and its
+ * frames: one per plane (frames[0..width-1]) when planes != 0, else frames[0] holds the
+ * chunk's n * width bytes themselves. */
+typedef struct {
+    size_t offset;
+    size_t n;
+    zl_frame frames[4];
+} zl_chunk;
+
+/* Decode chunks[0..count-1] of one weight (element width 2 or 4 bytes, planar or not,
+ * joined with `rotation` as zl_join) into out, which holds the weight's bytes from byte
+ * `origin` on (out_size of them): chunk i goes to out + chunks[i].offset - origin.
+ * zstd frames and bit-packed planes are decoded into scratch (scratch_size bytes, at
+ * least width * n of the largest chunk); raw planes are joined from their data.
+ *
+ * Returns ZL_OK, or on the first chunk that fails, with *failed its index and *detail
+ * what went wrong: ZL_ERR_FRAME (a zstd frame does not decode: *detail is zstd's error
+ * code; or a frame decodes or holds the wrong number of bytes: *detail is that number),
+ * ZL_ERR_SIZE (a chunk lies outside out, or scratch is too small), ZL_ERR_DATA (a
+ * bit-packed frame is invalid, or an unknown kind), ZL_ERR_WIDTH / ZL_ERR_ROTATION /
+ * ZL_ERR_NULL as zl_join. Chunks before *failed are decoded; later ones are not. */
+int zl_decode_chunks(const zl_zstd *zstd, void *dctx, int width, int planes, int rotation,
+                     const zl_chunk *chunks, size_t count, uint8_t *out, size_t origin,
+                     size_t out_size, uint8_t *scratch, size_t scratch_size, size_t *failed,
+                     size_t *detail);
 
 /* "C<standard> sha256:<digest of the compiled sources>" */
 const char *zl_core_info(void);

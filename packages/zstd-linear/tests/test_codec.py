@@ -65,12 +65,13 @@ def weights(draw):
     chunk_bytes=st.sampled_from([4096, 5000, 1 << 20]),
     level=st.sampled_from([1, 3]),
     threads=st.sampled_from([1, 2]),
+    backend=st.sampled_from(["c", "python"]),
 )
-def test_round_trip_is_bit_exact(weight, layout, chunk_bytes, level, threads):
+def test_round_trip_is_bit_exact(weight, layout, chunk_bytes, level, threads, backend):
     encoded = encode_weight(
         weight, CodecConfig(level=level, layout=layout, chunk_bytes=chunk_bytes)
     )
-    decoder = Decoder(threads)
+    decoder = Decoder(threads, backend=backend)
     try:
         decoded = decoder.decode(encoded)
     finally:
@@ -255,8 +256,9 @@ def test_decoder_rejects_bad_threads_and_wrong_buffers():
         Decoder(1).decode_into(encoded, torch.empty(60, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("backend", ["c", "python"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_many_equals_one_weight_at_a_time(threads):
+def test_decode_many_equals_one_weight_at_a_time(threads, backend):
     rng = torch.Generator().manual_seed(5)
     weights = [
         (torch.randn(64, 48, generator=rng) * 0.02).to(dtype)
@@ -269,7 +271,7 @@ def test_decode_many_equals_one_weight_at_a_time(threads):
         "bitpack",
     }
     outs = [torch.full((e.original_bytes,), 7, dtype=torch.uint8) for e in encoded]
-    decoder = Decoder(threads)
+    decoder = Decoder(threads, backend=backend)
     decoder.decode_many(zip(encoded, outs, strict=True))
     for e, out, w in zip(encoded, outs, weights, strict=True):
         assert np.array_equal(out.numpy(), w.contiguous().view(-1).view(torch.uint8).numpy())
@@ -279,14 +281,15 @@ def test_decode_many_equals_one_weight_at_a_time(threads):
     decoder.close()
 
 
-def test_decode_many_checks_every_buffer_first_and_finishes_before_raising():
+@pytest.mark.parametrize("backend", ["c", "python"])
+def test_decode_many_checks_every_buffer_first_and_finishes_before_raising(backend):
     from zstd_linear import DecodeError
     from zstd_linear.codec import EncodedWeight, Frame
 
     weights = [torch.randn(64, 64) * 0.02 for _ in range(4)]
     encoded = [encode_weight(w, CodecConfig(chunk_bytes=4096)) for w in weights]
     outs = [torch.full((e.original_bytes,), 7, dtype=torch.uint8) for e in encoded]
-    decoder = Decoder(2)
+    decoder = Decoder(2, backend=backend)
     bad = list(outs)
     bad[2] = torch.empty(10, dtype=torch.uint8)
     with pytest.raises(ValueError, match=f"out must be a uint8 tensor of {64 * 64 * 4} bytes"):
@@ -306,12 +309,13 @@ def test_decode_many_checks_every_buffer_first_and_finishes_before_raising():
     decoder.close()
 
 
+@pytest.mark.parametrize("backend", ["c", "python"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_chunks_into_gives_the_bytes_of_a_range_of_chunks(threads):
+def test_decode_chunks_into_gives_the_bytes_of_a_range_of_chunks(threads, backend):
     w = torch.randn(300, 100, generator=torch.Generator().manual_seed(9))  # 120,000 bytes
     encoded = encode_weight(w, CodecConfig(chunk_bytes=16384))  # 8 chunks, the last short
     whole = w.view(-1).view(torch.uint8).numpy()
-    decoder = Decoder(threads)
+    decoder = Decoder(threads, backend=backend)
     n = len(encoded.frames)
     assert n == 8
     for span in (range(0, 1), range(2, 5), range(7, 8), range(0, n)):

@@ -1,13 +1,18 @@
 """Parallel decoding of an EncodedWeight straight into caller-owned memory.
 
-Each chunk is one task: its zstd frames are decoded with
-``ZstdDecompressor().stream_reader(frame).readinto(buf)`` (which releases the GIL)
-into per-thread scratch planes, then joined by the C core (``_core.join_planes``, one
-call per chunk, which releases it too) into the chunk's slice of the output; a raw frame
-is joined straight from its bytes (the file's mapping), without a copy, and a bit-packed
-frame is unpacked by the C core (``_core.unpack_bits``) into a scratch plane. Scratch and
-decompressors are per thread and reused, so a decode allocates no buffer the size of a
-weight.
+The C backend (the default) decodes a run of chunks in one call into the C core
+(``zl_decode_chunks``), with the GIL released: per chunk, its zstd frames are decoded by
+libzstd (``ZSTD_decompressDCtx``, taken from python-zstandard's bundled libzstd through its
+cffi module) and bit-packed planes unpacked into per-thread scratch planes, then joined
+into the chunk's slice of the output; a raw plane is joined straight from its bytes (the
+file's mapping), without a copy. Python runs once per weight and thread, not per chunk:
+a decode splits its chunks into one contiguous run per thread. Each weight's table of
+frame pointers is built once, on its first decode, and kept with it.
+
+The Python backend (where python-zstandard has no cffi module, or on request) does the
+same per chunk with ``ZstdDecompressor().stream_reader(frame).readinto(buf)`` and the C
+core's join: the 0.7 decoder. Both give the same bytes. Scratch and decompression
+contexts are per thread and reused, so a decode allocates no buffer the size of a weight.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import numpy as np
 import torch
 import zstandard
 
-from zstd_linear._core import join_planes, unpack_bits
-from zstd_linear.codec import EncodedWeight, view_weight
+from zstd_linear._core import ffi, join_planes, lib, unpack_bits
+from zstd_linear.codec import FRAME_KINDS, EncodedWeight, view_weight
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.layout import LAYOUTS
 
@@ -43,10 +48,108 @@ def check_threads(threads: int | None) -> int:
     return threads
 
 
+try:  # libzstd's own functions, from python-zstandard's cffi module (the same libzstd)
+    from zstandard import _cffi as _zstd_cffi
+except ImportError:  # pragma: no cover - python-zstandard builds without its cffi module
+    _zstd_cffi = None
+
+BACKENDS = ("auto", "c", "python")
+
+
+def c_backend_available() -> bool:
+    """Whether python-zstandard exposes libzstd through its cffi module (the C backend)."""
+    return _zstd_cffi is not None
+
+
+def _address(cdata) -> int:
+    return int(_zstd_cffi.ffi.cast("uintptr_t", cdata))
+
+
+_ZSTD = None
+
+
+def _zstd_functions():
+    """The ``zl_zstd`` table of libzstd's functions the C core calls (built once)."""
+    global _ZSTD
+    if _ZSTD is None:
+        zlib_ = _zstd_cffi.lib
+        _ZSTD = ffi.new(
+            "zl_zstd *",
+            [
+                ffi.cast(
+                    "zl_zstd_decompress_fn",
+                    _address(_zstd_cffi.ffi.addressof(zlib_, "ZSTD_decompressDCtx")),
+                ),
+                ffi.cast(
+                    "zl_zstd_is_error_fn", _address(_zstd_cffi.ffi.addressof(zlib_, "ZSTD_isError"))
+                ),
+            ],
+        )
+    return _ZSTD
+
+
+def _zstd_error_name(code: int) -> str | None:
+    """libzstd's name for ``code`` when it is an error code, else None."""
+    if not _zstd_cffi.lib.ZSTD_isError(code):
+        return None
+    return _zstd_cffi.ffi.string(_zstd_cffi.lib.ZSTD_getErrorName(code)).decode()
+
+
+class _ChunkTable:
+    """An EncodedWeight's frames as a C array of ``zl_chunk``: the addresses of the
+    frames' bytes, valid while the EncodedWeight (which holds the frames, and through a
+    file's frames its mapping) lives; the table lives in it.
+
+    The addresses are read through ``ffi.from_buffer`` and the buffer released at once.
+    Holding one exported buffer per frame would tie the table to the mapping's
+    memoryviews, and CPython's cycle collector can clear such a memoryview before the
+    export that holds it is released (a crash in ``memory_dealloc``).
+    """
+
+    def __init__(self, encoded: EncodedWeight):
+        self.width = width = encoded.itemsize
+        self.planes = LAYOUTS[encoded.layout].planes
+        self.rotation = LAYOUTS[encoded.layout].rotation[encoded.dtype] if self.planes else 0
+        self.chunks = ffi.new("zl_chunk[]", len(encoded.frames))
+        self.scratch_bytes = 0
+        for c, frames in enumerate(encoded.frames):
+            _check_frames(encoded, c)
+            start, stop = encoded.chunk_range(c)
+            chunk = self.chunks[c]
+            chunk.offset, chunk.n = start * width, stop - start
+            if self.planes:
+                self.scratch_bytes = max(self.scratch_bytes, (stop - start) * width)
+            for p, frame in enumerate(frames):
+                with ffi.from_buffer("uint8_t[]", frame.data) as data:
+                    chunk.frames[p].data = ffi.cast("uint8_t *", int(ffi.cast("uintptr_t", data)))
+                    chunk.frames[p].size = len(data)
+                chunk.frames[p].kind = FRAME_KINDS.index(frame.kind)
+
+    @staticmethod
+    def of(encoded: EncodedWeight) -> _ChunkTable:
+        """The table of ``encoded``, built on first use and kept in its ``__dict__`` (an
+        EncodedWeight is frozen; the table is not one of its fields)."""
+        table = encoded.__dict__.get("_zl_chunk_table")
+        if table is None:
+            table = encoded.__dict__["_zl_chunk_table"] = _ChunkTable(encoded)
+        return table
+
+
 class _Scratch(threading.local):
     def __init__(self):
         self.decompressor = zstandard.ZstdDecompressor()
         self.buffers: dict[tuple[int, str], np.ndarray] = {}
+        self.dctx = None  # the C backend's: a libzstd ZSTD_DCtx and its void * for the core
+        self.status = ffi.new("size_t[2]")  # zl_decode_chunks' failed, detail
+
+    def context(self):
+        if self.dctx is None:
+            dctx = _zstd_cffi.lib.ZSTD_createDCtx()
+            if dctx == _zstd_cffi.ffi.NULL:
+                raise MemoryError("libzstd could not allocate a decompression context")
+            self.dctx = _zstd_cffi.ffi.gc(dctx, _zstd_cffi.lib.ZSTD_freeDCtx)
+            self.dctx_void = ffi.cast("void *", _address(self.dctx))
+        return self.dctx_void
 
     def get(self, n: int, dtype: np.dtype, slot: int) -> np.ndarray:
         key = (slot, dtype.str)
@@ -83,13 +186,31 @@ def _unpack_frame(data, out: np.ndarray) -> None:
 
 
 class Decoder:
-    """Decodes EncodedWeights with ``threads`` worker threads (1 = in the calling thread)."""
+    """Decodes EncodedWeights with ``threads`` worker threads (1 = in the calling thread).
 
-    def __init__(self, threads: int | None = None):
+    backend: "auto" (default: "c" where python-zstandard has its cffi module, else
+    "python"), "c" (ValueError where it is missing) or "python"; see the module
+    docstring. ``self.backend`` says which one decodes.
+    """
+
+    def __init__(self, threads: int | None = None, backend: str = "auto"):
         self.threads = threads = check_threads(threads)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "c" and not c_backend_available():
+            raise ValueError(
+                "backend 'c' needs python-zstandard's cffi module (zstandard._cffi), which "
+                "this installation lacks; use backend='python'"
+            )
+        if backend == "auto":
+            backend = "c" if c_backend_available() else "python"
+        self.backend = backend
         self._scratch = _Scratch()
+        # The C backend decodes one run in the calling thread and the others in the pool;
+        # the Python backend hands every chunk to the pool.
+        workers = threads - 1 if backend == "c" else threads
         self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="zstd-linear-decode")
+            ThreadPoolExecutor(workers, thread_name_prefix="zstd-linear-decode")
             if threads > 1
             else None
         )
@@ -101,18 +222,19 @@ class Decoder:
     def decode_many(self, pairs: Iterable[tuple[EncodedWeight, torch.Tensor]]) -> None:
         """Decode several weights at once, each into its ``out`` (as ``decode_into``).
 
-        Every chunk of every weight is one task for the threads, so weights of one chunk
-        (up to 1 MiB by default) decode in parallel too, which one ``decode_into`` at a
-        time cannot do. Every ``out`` is checked before anything is decoded; on an error
-        the other tasks finish, then the first error is raised.
+        The chunks of all the weights are shared among the threads, so weights of one
+        chunk (up to 1 MiB by default) decode in parallel too, which one ``decode_into``
+        at a time cannot do. Every ``out`` is checked before anything is decoded; on an
+        error the other chunks are decoded, then the first error is raised.
         """
         pairs = list(pairs)
-        tasks = []
+        segments = []
         for encoded, out in pairs:
             if (
                 not isinstance(out, torch.Tensor)
                 or out.dtype != torch.uint8
                 or out.numel() != encoded.original_bytes
+                or not out.is_contiguous()
             ):
                 got = (
                     f"{out.dtype} of {out.numel()}"
@@ -122,11 +244,8 @@ class Decoder:
                 raise ValueError(
                     f"out must be a uint8 tensor of {encoded.original_bytes} bytes, got {got}"
                 )
-            target, width = out.numpy(), encoded.itemsize
-            for c in range(len(encoded.frames)):
-                start, stop = encoded.chunk_range(c)
-                tasks.append((encoded, c, target[start * width : stop * width]))
-        self._run(tasks)
+            segments.append((encoded, range(len(encoded.frames)), out.numpy(), 0))
+        self._run(segments)
 
     def decode_chunks_into(self, encoded: EncodedWeight, chunks: range, out: torch.Tensor) -> None:
         """Decode the consecutive chunks ``chunks`` (a range with step 1) of ``encoded``
@@ -148,24 +267,7 @@ class Decoder:
                 f"out must be a contiguous uint8 tensor of {nbytes} bytes, got {out.dtype} "
                 f"of {out.numel()}"
             )
-        target = out.numpy()
-        tasks = []
-        for c in chunks:
-            start, stop = encoded.chunk_range(c)
-            tasks.append((encoded, c, target[(start - first) * width : (stop - first) * width]))
-        self._run(tasks)
-
-    def _run(self, tasks: list) -> None:
-        """Decode ``tasks`` ((encoded, chunk, destination) each) on the threads; on an
-        error the other tasks finish, then the first error is raised."""
-        if self._pool is None or len(tasks) == 1:
-            for task in tasks:
-                self._decode_chunk(*task)
-            return
-        futures = [self._pool.submit(self._decode_chunk, *task) for task in tasks]
-        wait(futures)
-        for future in futures:
-            future.result()
+        self._run([(encoded, chunks, out.numpy(), first * width)])
 
     def decode_chunk_into(self, encoded: EncodedWeight, c: int, out: torch.Tensor) -> None:
         """Decode chunk ``c`` alone into ``out``: a uint8 CPU tensor of exactly the chunk's
@@ -174,11 +276,11 @@ class Decoder:
             raise ValueError(f"chunk must be in 0..{len(encoded.frames) - 1}, got {c}")
         start, stop = encoded.chunk_range(c)
         nbytes = (stop - start) * encoded.itemsize
-        if out.dtype != torch.uint8 or out.numel() != nbytes:
+        if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
             raise ValueError(
                 f"out must be a uint8 tensor of {nbytes} bytes, got {out.dtype} of {out.numel()}"
             )
-        self._decode_chunk(encoded, c, out.numpy())
+        self._decode_segment(encoded, range(c, c + 1), out.numpy(), start * encoded.itemsize)
 
     def decode(self, encoded: EncodedWeight) -> torch.Tensor:
         """A freshly allocated decoded weight, shape ``encoded.shape``, its dtype."""
@@ -186,12 +288,112 @@ class Decoder:
         self.decode_into(encoded, out)
         return view_weight(out, encoded)
 
+    def _run(self, segments: list) -> None:
+        """Decode ``segments`` ((encoded, chunks, target, origin) each: ``target`` holds
+        the weight's bytes from byte ``origin`` on) on the threads, one contiguous run of
+        chunks per thread (the Python backend: one task per chunk); on an error the other
+        chunks are decoded, then the first error is raised."""
+        if self.backend == "python":
+            segments = [
+                (encoded, range(c, c + 1), target, origin)
+                for encoded, chunks, target, origin in segments
+                for c in chunks
+            ]
+            runs = [[segment] for segment in segments]
+        else:
+            runs = _split_runs(segments, self.threads)
+        if self._pool is None or len(runs) == 1:
+            errors = [self._decode_run(run) for run in runs]
+        else:
+            # The C backend's calling thread decodes the first run: one hand-off fewer.
+            mine, theirs = (runs[0], runs[1:]) if self.backend == "c" else ([], runs)
+            futures = [self._pool.submit(self._decode_run, run) for run in theirs]
+            errors = [self._decode_run(mine)]
+            wait(futures)
+            errors += [future.result() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _decode_run(self, run: list) -> DecodeError | None:
+        """Decode every segment of ``run``; the first DecodeError, returned, not raised."""
+        first = None
+        for segment in run:
+            try:
+                self._decode_segment(*segment)
+            except DecodeError as exc:
+                first = first or exc
+        return first
+
+    def _decode_segment(
+        self, encoded: EncodedWeight, chunks: range, target: np.ndarray, origin: int
+    ) -> None:
+        """Decode ``chunks`` of ``encoded`` into ``target`` (the weight's bytes from byte
+        ``origin`` on); on an error the segment's other chunks are decoded, then the first
+        error is raised."""
+        if self.backend == "python":
+            width = encoded.itemsize
+            for c in chunks:
+                start, stop = encoded.chunk_range(c)
+                try:
+                    self._decode_chunk(
+                        encoded, c, target[start * width - origin : stop * width - origin]
+                    )
+                except DecodeError as exc:
+                    if str(exc).startswith("chunk "):
+                        raise
+                    raise DecodeError(f"chunk {c}: {exc}") from None
+            return
+        table = _ChunkTable.of(encoded)
+        scratch = self._scratch
+        planes = scratch.get(table.scratch_bytes, np.dtype(np.uint8), -1)
+        with (
+            ffi.from_buffer("uint8_t[]", target, require_writable=True) as out,
+            ffi.from_buffer("uint8_t[]", planes, require_writable=True) as plane_ptr,
+        ):
+            first_error = self._decode_table(encoded, table, chunks, out, origin, plane_ptr)
+        if first_error is not None:
+            raise first_error
+
+    def _decode_table(
+        self, encoded: EncodedWeight, table: _ChunkTable, chunks: range, out, origin: int, plane_ptr
+    ) -> DecodeError | None:
+        """``zl_decode_chunks`` over ``chunks`` into ``out`` (cdata), resuming after each
+        failed chunk; the first DecodeError, returned."""
+        scratch = self._scratch
+        status = scratch.status
+        first_error, c = None, chunks.start
+        while c < chunks.stop:
+            code = lib.zl_decode_chunks(
+                _zstd_functions(),
+                scratch.context(),
+                table.width,
+                int(table.planes),
+                table.rotation,
+                table.chunks + c,
+                chunks.stop - c,
+                out,
+                origin,
+                len(out),
+                plane_ptr,
+                len(plane_ptr),
+                status,
+                status + 1,
+            )
+            if code == lib.ZL_OK:
+                break
+            failed = c + int(status[0])
+            first_error = first_error or _chunk_error(encoded, failed, code, int(status[1]))
+            c = failed + 1
+        return first_error
+
     def _decode_chunk(self, encoded: EncodedWeight, c: int, dst: np.ndarray) -> None:
         start, stop = encoded.chunk_range(c)  # dst: (E * width,) uint8, the chunk's bytes
         n = stop - start
         layout = LAYOUTS[encoded.layout]
         scratch = self._scratch
         frames = encoded.frames[c]
+        _check_frames(encoded, c)
         if not layout.planes:
             frame = frames[0]
             if frame.kind == "raw":
@@ -222,3 +424,58 @@ class Decoder:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _split_runs(segments: list, threads: int) -> list[list]:
+    """``segments`` cut into at most ``threads`` runs of consecutive chunks, each about
+    the same number of decoded bytes; a segment may be cut between two runs."""
+    units = [(i, c) for i, (_, chunks, _, _) in enumerate(segments) for c in chunks]
+    if threads == 1 or len(units) <= 1:
+        return [segments]
+    sizes = [
+        (segments[i][0].chunk_range(c)[1] - segments[i][0].chunk_range(c)[0])
+        * segments[i][0].itemsize
+        for i, c in units
+    ]
+    total, runs, run, acc, k = sum(sizes), [], [], 0, 1
+    for (i, c), size in zip(units, sizes, strict=True):
+        encoded, _, target, origin = segments[i]
+        if run and run[-1][0] is encoded and run[-1][2] is target and run[-1][1].stop == c:
+            run[-1] = (encoded, range(run[-1][1].start, c + 1), target, origin)
+        else:
+            run.append((encoded, range(c, c + 1), target, origin))
+        acc += size
+        if acc * threads >= total * k and k < threads:
+            runs.append(run)
+            run, k = [], k + 1
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _check_frames(encoded: EncodedWeight, c: int) -> None:
+    """DecodeError unless chunk ``c`` holds as many frames as its layout has planes."""
+    needed = LAYOUTS[encoded.layout].n_planes(encoded.dtype)
+    if len(encoded.frames[c]) != needed:
+        raise DecodeError(
+            f"chunk {c} holds {len(encoded.frames[c])} frames; its layout "
+            f"{encoded.layout!r} ({encoded.dtype}) needs {needed}"
+        )
+
+
+def _chunk_error(encoded: EncodedWeight, c: int, code: int, detail: int) -> DecodeError:
+    """The DecodeError for ``zl_decode_chunks``' ``code`` on chunk ``c`` of ``encoded``."""
+    start, stop = encoded.chunk_range(c)
+    n = stop - start
+    if code == lib.ZL_ERR_FRAME:
+        name = _zstd_error_name(detail)
+        if name is not None:
+            return DecodeError(f"a zstd frame of chunk {c} does not decode: {name}")
+        return DecodeError(
+            f"a frame of chunk {c} holds or decodes to {detail} bytes, not the "
+            f"{n * (encoded.itemsize if not LAYOUTS[encoded.layout].planes else 1)} its "
+            "plane needs (a zstd frame or a raw frame of the wrong size)"
+        )
+    if code in (lib.ZL_ERR_DATA, lib.ZL_ERR_SIZE):
+        return DecodeError(f"a bit-packed frame of chunk {c} does not decode to {n} bytes")
+    return DecodeError(f"chunk {c} does not decode: zl_decode_chunks returned {code}")

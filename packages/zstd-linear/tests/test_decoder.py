@@ -1,0 +1,232 @@
+"""The decoder's backends: the C one (the default) decodes a run of chunks per C call,
+one run per thread, and gives the Python one's bytes; both turn every kind of bad frame
+into a DecodeError and still decode the other chunks; the core's ``zl_decode_chunks``
+rejects bad input before it writes; a file's chunk tables survive the cycle collector."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from zstd_linear import CodecConfig, DecodeError, Decoder, encode_weight
+from zstd_linear import decoder as decoder_module
+from zstd_linear._core import ffi, lib
+from zstd_linear.codec import EncodedWeight, Frame
+from zstd_linear.decoder import _ChunkTable, _Scratch, _split_runs, _zstd_functions
+
+
+def _bytes(w: torch.Tensor) -> np.ndarray:
+    return w.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def test_the_c_backend_is_the_default_and_a_bad_backend_is_named(monkeypatch):
+    assert decoder_module.c_backend_available()
+    assert Decoder(1).backend == "c"
+    assert Decoder(1, backend="python").backend == "python"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Decoder(1, backend="rust")
+    monkeypatch.setattr(decoder_module, "_zstd_cffi", None)  # a zstandard without cffi
+    assert Decoder(1).backend == "python"
+    with pytest.raises(ValueError, match=r"zstandard\._cffi"):
+        Decoder(1, backend="c")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_backend_runs_python_once_per_thread_not_per_chunk(threads, monkeypatch):
+    weights = [torch.randn(256, 128), torch.randn(64, 64).to(torch.bfloat16)]
+    encoded = [encode_weight(w, CodecConfig(chunk_bytes=4096)) for w in weights]
+    assert [len(e.frames) for e in encoded] == [32, 2]
+    segments = []
+    original = Decoder._decode_segment
+
+    def spy(self, enc, chunks, target, origin):
+        segments.append((enc, chunks))
+        return original(self, enc, chunks, target, origin)
+
+    monkeypatch.setattr(Decoder, "_decode_segment", spy)
+    decoder = Decoder(threads)
+    out = torch.empty(encoded[0].original_bytes, dtype=torch.uint8)
+    decoder.decode_into(encoded[0], out)
+    assert np.array_equal(out.numpy(), _bytes(weights[0]))
+    assert len(segments) == threads  # one C call per thread for 32 chunks
+    assert sorted(c for _, chunks in segments for c in chunks) == list(range(32))
+    segments.clear()
+    outs = [torch.empty(e.original_bytes, dtype=torch.uint8) for e in encoded]
+    decoder.decode_many(zip(encoded, outs, strict=True))
+    assert all(np.array_equal(o.numpy(), _bytes(w)) for o, w in zip(outs, weights, strict=True))
+    # at most one segment per weight and thread, plus one where a weight is cut
+    assert len(segments) <= len(encoded) + threads - 1
+    segments.clear()
+    Decoder(threads, backend="python").decode_into(encoded[0], out)
+    assert len(segments) == 32  # the Python backend: one task per chunk
+    decoder.close()
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_runs_cover_every_chunk_once_in_order_with_balanced_bytes(threads):
+    encoded = [
+        encode_weight(torch.randn(n, 64), CodecConfig(chunk_bytes=4096)) for n in (48, 5, 100)
+    ]
+    targets = [np.empty(e.original_bytes, np.uint8) for e in encoded]
+    segments = [(e, range(len(e.frames)), t, 0) for e, t in zip(encoded, targets, strict=True)]
+    runs = _split_runs(segments, threads)
+    assert 1 < len(runs) <= threads
+    flat = [(id(e), c) for run in runs for e, chunks, _, _ in run for c in chunks]
+    assert flat == [(id(e), c) for e in encoded for c in range(len(e.frames))]
+    total = sum(e.original_bytes for e in encoded)
+    for run in runs:
+        got = sum(
+            (e.chunk_range(chunks.stop - 1)[1] - e.chunk_range(chunks.start)[0]) * 4
+            for e, chunks, _, _ in run
+        )
+        assert abs(got - total / threads) <= 4096  # within one chunk of an equal share
+
+
+def _damage(encoded: EncodedWeight, c: int, p: int, frame: Frame) -> EncodedWeight:
+    chunks = list(encoded.frames)
+    frames = list(chunks[c])
+    frames[p] = frame
+    chunks[c] = tuple(frames)
+    return EncodedWeight(**{**encoded.__dict__, "frames": tuple(chunks)})
+
+
+def _bad_frames(encoded: EncodedWeight, c: int):
+    """(label, plane, frame, message) for each kind of bad frame in chunk c."""
+    n = encoded.chunk_range(c)[1] - encoded.chunk_range(c)[0]
+    zstd_plane = next(p for p, f in enumerate(encoded.frames[c]) if f.kind == "zstd")
+    raw_plane = next(p for p, f in enumerate(encoded.frames[c]) if f.kind == "raw")
+    compress = zstandard.ZstdCompressor().compress
+    return [
+        ("corrupt zstd", zstd_plane, Frame(b"\x28\xb5\x2f\xfd" + bytes(20), "zstd"), "zstd frame"),
+        ("zstd too short", zstd_plane, Frame(compress(bytes(n - 1)), "zstd"), "size|bytes"),
+        ("zstd too long", zstd_plane, Frame(compress(bytes(n + 1)), "zstd"), "zstd frame"),
+        ("raw too short", raw_plane, Frame(bytes(n - 1), "raw"), f"{n - 1} bytes"),
+        ("bitpack mask 0", raw_plane, Frame(bytes(2 + n), "bitpack"), "bit-packed"),
+        ("bitpack short", raw_plane, Frame(bytes([0x80, 0]) + bytes(3), "bitpack"), "bit-packed"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["c", "python"])
+@pytest.mark.parametrize("case", range(6))
+def test_a_bad_frame_is_a_decode_error_and_the_other_chunks_decode(backend, case):
+    w = torch.randn(64, 64) * 0.02
+    encoded = encode_weight(w, CodecConfig(chunk_bytes=4096))  # 4 chunks
+    _, plane, frame, message = _bad_frames(encoded, 1)[case]
+    broken = _damage(encoded, 1, plane, frame)
+    out = torch.full((encoded.original_bytes,), 7, dtype=torch.uint8)
+    decoder = Decoder(2, backend=backend)
+    with pytest.raises(DecodeError, match=message) as error:
+        decoder.decode_into(broken, out)
+    assert "chunk 1" in str(error.value)  # which chunk, in both backends
+    whole = _bytes(w)
+    for c in (0, 2, 3):
+        start, stop = encoded.chunk_range(c)
+        assert np.array_equal(out.numpy()[start * 4 : stop * 4], whole[start * 4 : stop * 4])
+    decoder.close()
+
+
+@pytest.mark.parametrize("backend", ["c", "python"])
+def test_a_chunk_with_the_wrong_number_of_frames_is_a_decode_error(backend):
+    encoded = encode_weight(torch.randn(32, 32), CodecConfig(chunk_bytes=4096))
+    chunks = list(encoded.frames)
+    chunks[0] = chunks[0][:3]
+    broken = EncodedWeight(**{**encoded.__dict__, "frames": tuple(chunks)})
+    with pytest.raises(DecodeError, match="chunk 0 holds 3 frames; its layout 'exponent'"):
+        Decoder(1, backend=backend).decode(broken)
+
+
+def _decode_chunks(table, out, *, width=None, rotation=None, scratch=None, origin=0, count=None):
+    scratch = np.empty(table.scratch_bytes, np.uint8) if scratch is None else scratch
+    status = ffi.new("size_t[2]")
+    holder = _Scratch()  # owns the decompression context for the call
+    code = lib.zl_decode_chunks(
+        _zstd_functions(),
+        holder.context(),
+        table.width if width is None else width,
+        int(table.planes),
+        table.rotation if rotation is None else rotation,
+        table.chunks,
+        len(table.chunks) if count is None else count,
+        ffi.from_buffer("uint8_t[]", out, require_writable=True),
+        origin,
+        out.size,
+        ffi.from_buffer("uint8_t[]", scratch, require_writable=True),
+        scratch.size,
+        status,
+        status + 1,
+    )
+    return code, int(status[0]), int(status[1])
+
+
+def test_zl_decode_chunks_rejects_bad_input_before_writing():
+    w = torch.randn(16, 256)
+    encoded = encode_weight(w, CodecConfig(chunk_bytes=4096))  # 4 chunks
+    table = _ChunkTable.of(encoded)
+    out = np.full(encoded.original_bytes, 7, np.uint8)
+    assert _decode_chunks(table, out) == (lib.ZL_OK, 4, 0)
+    assert np.array_equal(out, _bytes(w))
+    for kwargs, code in [
+        ({"width": 3}, lib.ZL_ERR_WIDTH),
+        ({"rotation": 32}, lib.ZL_ERR_ROTATION),
+        ({"rotation": -1}, lib.ZL_ERR_ROTATION),
+        ({"scratch": np.empty(4095, np.uint8)}, lib.ZL_ERR_SIZE),
+    ]:
+        out[:] = 7
+        assert _decode_chunks(table, out, **kwargs)[0] == code, kwargs
+        assert (out == 7).all(), kwargs
+    # an output that ends inside chunk 2: chunks 0 and 1 decode, chunk 2 is refused
+    short = np.full(2 * 4096 + 100, 7, np.uint8)
+    assert _decode_chunks(table, short) == (lib.ZL_ERR_SIZE, 2, 0)
+    assert np.array_equal(short[: 2 * 4096], _bytes(w)[: 2 * 4096]) and (short[8192:] == 7).all()
+    # an origin past a chunk's start: that chunk lies before the output
+    assert _decode_chunks(table, out, origin=4096)[:2] == (lib.ZL_ERR_SIZE, 0)
+    # an unknown frame kind
+    table.chunks[3].frames[0].kind = 9
+    out[:] = 7
+    assert _decode_chunks(table, out)[:2] == (lib.ZL_ERR_DATA, 3)
+    assert (out[3 * 4096 :] == 7).all()
+
+
+def test_chunk_tables_of_a_mapped_file_survive_the_cycle_collector(tmp_path):
+    """A first version of the C backend held one exported buffer per frame of the file's
+    mapping: collecting such a table in a reference cycle raised BufferError in
+    gc.collect() (and crashed in memory_dealloc in test_cli's sequence)."""
+    script = textwrap.dedent(
+        f"""
+        import gc
+        import torch
+        from zstd_linear import CodecConfig, Decoder, encode_weight
+        from zstd_linear.fileformat import read_file, write_file
+
+        path = {str(tmp_path / "w.zlin")!r}
+        weights = [torch.randn(64, 64) for _ in range(4)]
+        write_file(path, [
+            (f"w{{i}}", encode_weight(w, CodecConfig(chunk_bytes=4096)), None)
+            for i, w in enumerate(weights)
+        ])
+        for _ in range(3):
+            entries = read_file(path)
+            decoder = Decoder(2)
+            for (_, encoded, _), w in zip(entries, weights):
+                assert torch.equal(decoder.decode(encoded), w)
+            decoder.close()
+            for _, encoded, _ in entries:  # each table in a cycle of its own, too
+                table = encoded.__dict__["_zl_chunk_table"]
+                table.cycle = table
+            cycle = {{"entries": entries}}
+            cycle["self"] = cycle
+            del entries, encoded, cycle, table
+            gc.collect()
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
