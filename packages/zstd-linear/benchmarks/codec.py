@@ -1,8 +1,11 @@
 """Codec benchmark: ratio and decode GB/s of plain zstd, the byte-plane layouts and zipnn.
 
-The package's decoder (planes joined by the C core) runs next to the 0.4 decoder (the
-same zstd frame decode, planes joined by numpy shifts, reproduced here as the baseline)
-on 0.4's default encoding ("exponent", frames raw only where zstd does not shrink them).
+The package's decoder (its C backend: a run of chunks per C call, libzstd's frame decode
+and the plane join in C) runs next to its Python backend (0.8's decoder: frames read
+through python-zstandard per chunk, planes joined in C) and the 0.4 decoder (the same
+zstd frame decode, planes joined by numpy shifts, reproduced here as the baseline) on
+0.4's default encoding ("exponent", 1 MiB chunks, frames raw only where zstd does not
+shrink them).
 
 Tensor sets: all-MiniLM-L6-v2's trained Linear weights (fp32, and cast to bf16 and
 fp16) and SmolLM2-135M's Linear weights (fp32; they went through 4-bit GGUF
@@ -51,9 +54,12 @@ def smollm2_weights() -> list[torch.Tensor]:
 
 
 class Ours:
-    def __init__(self, layout: str):
+    def __init__(self, layout: str, backend: str = "auto"):
         self.name = "zstd (plain)" if layout == "zstd" else f"zstd-linear {layout}"
+        if backend != "auto":
+            self.name += f" ({backend} backend)"
         self.layout = layout
+        self.backend = backend
 
     def prepare(self, weights):
         self.encoded = [encode_weight(w, CodecConfig(layout=self.layout)) for w in weights]
@@ -66,7 +72,7 @@ class Ours:
             decoder.decode_into(encoded, buf)
 
     def __enter__(self):
-        self.decoders = {t: Decoder(t) for t in THREADS}
+        self.decoders = {t: Decoder(t, backend=self.backend) for t in THREADS}
         return self
 
     def __exit__(self, *exc):
@@ -90,7 +96,7 @@ class OursMany(Ours):
 def encode_04(weight: torch.Tensor) -> EncodedWeight:
     """zstd-linear 0.4's encoding: layout "exponent", every plane a zstd frame unless
     that is not smaller than the plane (then raw); no bit-packing (0.7)."""
-    config = CodecConfig(layout="exponent")
+    config = CodecConfig(layout="exponent", chunk_bytes=1 << 20)  # 0.4: 1 MiB chunks
     name = dtype_name(weight.dtype)
     values = weight.contiguous().view(-1).view(torch.uint8).numpy().view(SUPPORTED_DTYPES[name][1])
     chunk_elems = config.chunk_bytes // values.itemsize
@@ -247,16 +253,24 @@ def run(quick: bool = False) -> dict:
     if not quick:
         sets.append(("SmolLM2-135M fp32 (from Q4 GGUF)", smollm2_weights, torch.float32))
     have_zipnn = zipnn_available()
-    rows, by_key = [], {}
+    rows, by_key, chunks = [], {}, set()
     for label, loader, dtype in sets:
         weights = [w.to(dtype).contiguous() for w in loader()]
         auto = AUTO_LAYOUTS[str(dtype).removeprefix("torch.")]
-        ours = [Ours("zstd"), Ours("exponent"), Ours("exponent-mantissa"), OursMany(auto)]
+        ours = [
+            Ours("zstd"),
+            Ours("exponent"),
+            Ours("exponent-mantissa"),
+            OursMany(auto),
+            Ours(auto, backend="python"),
+        ]
         methods = [*ours, NumpyJoin04()]
         methods += [ZipNN()] if have_zipnn else []
         methods.append(Memcpy())
-        with ours[0], ours[1], ours[2], ours[3], methods[4]:
+        with ours[0], ours[1], ours[2], ours[3], ours[4], methods[5]:
             results = measure(weights, methods, repeats)
+        if label.startswith("MiniLM"):
+            chunks.update(len(e.frames) for e in ours[3].encoded)
         for r in results:
             by_key[label, r["method"]] = r
             rows.append(
@@ -347,7 +361,7 @@ def run(quick: bool = False) -> dict:
         "exponent-mantissa for bf16, exponent otherwise; a frame is bit-packed where some "
         "of its bits are constant, else raw, where zstd saves < 5% of the plane over that. "
         "Rows without decode_many decode one weight at a time (its chunks in parallel); "
-        "MiniLM's weights are 1 or 2 chunks each. Compare rows of the same run. SmolLM2's "
+        f"MiniLM's weights are {min(chunks)} to {max(chunks)} chunks each. Compare rows of the same run. SmolLM2's "
         "weights come from a Q4_1 GGUF: their ratio is "
         "not representative of trained float weights.",
     )

@@ -210,7 +210,8 @@ def main() -> None:
         ],
         rows,
         targets,
-        "Every chunk (1 MiB) and plane of every Linear weight; a frame is stored in its fast "
+        f"Every chunk ({CodecConfig().chunk_bytes // 1024} KiB) and plane of every Linear "
+        "weight; a frame is stored in its fast "
         "form (bit-packed where some bits are constant, else raw) when zstd saves less than "
         "raw_below of its plane over that form. Ratios and frame counts are exact; times are "
         "best of 3 per frame, one thread: zstd decode of the frame, or the C unpack of a "

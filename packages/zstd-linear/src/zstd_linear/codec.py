@@ -1,4 +1,4 @@
-"""Encoding a weight: byte planes, independent zstd frames per ~1 MiB chunk, raw fallback.
+"""Encoding a weight: byte planes, independent zstd frames per 256 KiB chunk, raw fallback.
 
 The weight's elements are cut into chunks of ``chunk_elems`` elements; every chunk
 holds one frame per plane, so any chunk decodes on its own (in parallel) into its own
@@ -31,7 +31,10 @@ import zstandard
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES, dtype_name
 
 DEFAULT_LEVEL = 3
-DEFAULT_CHUNK_BYTES = 1 << 20
+#: 256 KiB: one weight's chunks share the decode threads (SmolLM2's 442 KiB k_proj is 2
+#: chunks, where 1 MiB made it 1) at 0.02% of the ratio of 1 MiB chunks on SmolLM2 and
+#: MiniLM bf16 (0.9.0; benchmarks/results/codec.json).
+DEFAULT_CHUNK_BYTES = 256 << 10
 DEFAULT_LAYOUT = "auto"
 #: The layout "auto" picks per dtype (benchmarks/results/planes.json): on MiniLM bf16,
 #: "exponent-mantissa" reaches 1.5042 (zipnn 1.4997, "exponent" 1.4989); on float32 it

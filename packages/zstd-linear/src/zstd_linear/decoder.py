@@ -223,7 +223,7 @@ class Decoder:
         """Decode several weights at once, each into its ``out`` (as ``decode_into``).
 
         The chunks of all the weights are shared among the threads, so weights of one
-        chunk (up to 1 MiB by default) decode in parallel too, which one ``decode_into``
+        chunk (up to 256 KiB by default) decode in parallel too, which one ``decode_into``
         at a time cannot do. Every ``out`` is checked before anything is decoded; on an
         error the other chunks are decoded, then the first error is raised.
         """

@@ -14,7 +14,7 @@ class CompressedEmbedding(CompressedModule):
     """Drop-in for a plain nn.Embedding (no max_norm): ``table[ids]``, bit for bit.
 
     input_ids: (...) int64 in [0, num_embeddings); returns (..., embedding_dim), the
-    table's dtype. A lookup decodes only the ~1 MiB chunks that hold the rows asked
+    table's dtype. A lookup decodes only the 256 KiB chunks that hold the rows asked
     for (one chunk per generated token), into one reused chunk-sized buffer. When the
     model ties its lm_head to this table, the lm_head is a CompressedLinear over the
     same EncodedWeight: the bytes are stored once and serve both uses.
