@@ -199,6 +199,25 @@ def test_targets_are_judged_from_the_measurements():
     assert not got["tight: zstd_linear >= 2.0x plain tokens/s, same answer"]["met"]
 
 
+def test_a_minimum_limit_is_below_plains_only_where_plain_failed():
+    """A minimum within the bisection's resolution of plain's is not "below" it: the
+    row must have answered under a limit at which plain failed (2026-11-26: zstd-linear
+    421 MiB, plain 425 MiB, plain failed at 413 MiB)."""
+    from membound_integration.budget.suite import _targets
+
+    raw = _raw({}, {"plain": 425, "zstd_linear": 421})
+    raw["plain"]["min_limit"]["tries"] = [[786, True, "ok"], [425, True, "ok"], [413, False, "x"]]
+    target = "zstd_linear: minimum hard limit below plain's"
+    got = {t["target"]: t for t in _targets(raw)}[target]
+    assert not got["met"]
+    assert got["measured"] == (
+        "421 MiB vs plain 425 MiB; plain failed at 413 MiB: within the bisection's resolution"
+    )
+    raw["zstd_linear"]["min_limit"]["min_limit_mib"] = 410
+    got = {t["target"]: t for t in _targets(raw)}[target]
+    assert got["met"] and got["measured"] == "410 MiB vs plain 425 MiB; plain failed at 413 MiB"
+
+
 def test_a_row_and_its_baseline_from_different_runs_are_not_compared():
     from membound_integration.budget.suite import OTHER_RUN, _targets
 

@@ -202,6 +202,7 @@ def test_chunk_tables_of_a_mapped_file_survive_the_cycle_collector(tmp_path):
         import gc
         import torch
         from zstd_linear import CodecConfig, Decoder, encode_weight
+        from zstd_linear.decoder import _ChunkTable, _TABLES
         from zstd_linear.fileformat import read_file, write_file
 
         path = {str(tmp_path / "w.zlin")!r}
@@ -217,12 +218,13 @@ def test_chunk_tables_of_a_mapped_file_survive_the_cycle_collector(tmp_path):
                 assert torch.equal(decoder.decode(encoded), w)
             decoder.close()
             for _, encoded, _ in entries:  # each table in a cycle of its own, too
-                table = encoded.__dict__["_zl_chunk_table"]
+                table = _ChunkTable.of(encoded)
                 table.cycle = table
             cycle = {{"entries": entries}}
             cycle["self"] = cycle
             del entries, encoded, cycle, table
             gc.collect()
+            assert not _TABLES, len(_TABLES)  # every table dropped with its weight
         print("ok")
         """
     )
@@ -230,3 +232,15 @@ def test_chunk_tables_of_a_mapped_file_survive_the_cycle_collector(tmp_path):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_a_weights_table_is_its_own_and_leaves_its_fields_alone():
+    """The table is kept beside the EncodedWeight, not in its ``__dict__``: a copy built
+    from another's fields with other frames decodes its own frames."""
+    wa, wb = torch.randn(32, 32), torch.randn(32, 32)
+    a, b = (encode_weight(w, CodecConfig(chunk_bytes=4096)) for w in (wa, wb))
+    decoder = Decoder(1)
+    assert torch.equal(decoder.decode(a), wa)
+    copy = EncodedWeight(**{**a.__dict__, "frames": b.frames, "crc32": b.crc32})
+    assert torch.equal(decoder.decode(copy), wb)
+    assert torch.equal(decoder.decode(a), wa)

@@ -11,7 +11,7 @@ frame pointers is built once, on its first decode, and kept with it.
 
 The Python backend (where python-zstandard has no cffi module, or on request) does the
 same per chunk with ``ZstdDecompressor().stream_reader(frame).readinto(buf)`` and the C
-core's join: the 0.7 decoder. Both give the same bytes. Scratch and decompression
+core's join: 0.8's decoder. Both give the same bytes. Scratch and decompression
 contexts are per thread and reused, so a decode allocates no buffer the size of a weight.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -98,7 +99,7 @@ def _zstd_error_name(code: int) -> str | None:
 class _ChunkTable:
     """An EncodedWeight's frames as a C array of ``zl_chunk``: the addresses of the
     frames' bytes, valid while the EncodedWeight (which holds the frames, and through a
-    file's frames its mapping) lives; the table lives in it.
+    file's frames its mapping) lives; the table is dropped when it dies.
 
     The addresses are read through ``ffi.from_buffer`` and the buffer released at once.
     Holding one exported buffer per frame would tie the table to the mapping's
@@ -127,12 +128,19 @@ class _ChunkTable:
 
     @staticmethod
     def of(encoded: EncodedWeight) -> _ChunkTable:
-        """The table of ``encoded``, built on first use and kept in its ``__dict__`` (an
-        EncodedWeight is frozen; the table is not one of its fields)."""
-        table = encoded.__dict__.get("_zl_chunk_table")
+        """The table of ``encoded``, built on first use and kept until ``encoded`` is
+        freed. Kept beside it, by id, not in it: an EncodedWeight is frozen, compares by
+        its fields, and ``EncodedWeight(**other.__dict__)`` must stay a copy of its
+        fields."""
+        table = _TABLES.get(id(encoded))
         if table is None:
-            table = encoded.__dict__["_zl_chunk_table"] = _ChunkTable(encoded)
+            table = _TABLES[id(encoded)] = _ChunkTable(encoded)
+            weakref.finalize(encoded, _TABLES.pop, id(encoded), None)
         return table
+
+
+#: _ChunkTable.of's tables, by the id of their EncodedWeight (each dropped when it dies).
+_TABLES: dict[int, _ChunkTable] = {}
 
 
 class _Scratch(threading.local):
