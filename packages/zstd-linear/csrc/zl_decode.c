@@ -1,8 +1,14 @@
-/* Chunk decode: a weight's chunks, frames to values, in one call without the GIL (see
- * zstd_linear.h). */
+/* Chunk decode: a weight's chunks, frames to values, in one call without the GIL, and the
+ * read-ahead hint for their frames (see zstd_linear.h). */
+#define _POSIX_C_SOURCE 200112L /* posix_madvise, sysconf under -std=c11 */
 #include "zstd_linear.h"
 
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define ZL_HAVE_MADVISE 1
+#endif
 
 /* Decode frame f into dst (n bytes); *detail as zl_decode_chunks. */
 static int decode_frame(const zl_zstd *zstd, void *dctx, const zl_frame *f, uint8_t *dst,
@@ -82,4 +88,17 @@ int zl_decode_chunks(const zl_zstd *zstd, void *dctx, int width, int planes, int
     }
     *failed = count;
     return ZL_OK;
+}
+
+int zl_will_need(const void *addr, size_t len) {
+#ifdef ZL_HAVE_MADVISE
+    long page = sysconf(_SC_PAGESIZE);
+    if (!addr || !len || page <= 0) return 0;
+    uintptr_t start = (uintptr_t)addr & ~((uintptr_t)page - 1);
+    return posix_madvise((void *)start, len + ((uintptr_t)addr - start), POSIX_MADV_WILLNEED);
+#else
+    (void)addr;
+    (void)len;
+    return 0;
+#endif
 }

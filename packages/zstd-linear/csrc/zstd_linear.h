@@ -93,6 +93,12 @@ int zl_decode_chunks(const zl_zstd *zstd, void *dctx, int width, int planes, int
                      size_t out_size, uint8_t *scratch, size_t scratch_size, size_t *failed,
                      size_t *detail);
 
+/* Ask the kernel to read the pages of [addr, addr + len) (a file mapping) now, in the
+ * background: posix_madvise(POSIX_MADV_WILLNEED) over the pages holding the range.
+ * Returns 0, or the error posix_madvise returned (the read is only a hint; callers may
+ * ignore it). A no-op returning 0 where there is no posix_madvise. */
+int zl_will_need(const void *addr, size_t len);
+
 /* "C<standard> sha256:<digest of the compiled sources>" */
 const char *zl_core_info(void);
 /* cdef-end */

@@ -231,6 +231,7 @@ def test_every_c_call_releases_the_gil(tmp_path):
         "zl_decode_chunks",
         "zl_join",
         "zl_unpack_bits",
+        "zl_will_need",
     ]
     for name in names:
         body = text[text.index(f"_cffi_f_{name}(") :]

@@ -5,9 +5,13 @@ rejects bad input before it writes; a file's chunk tables survive the cycle coll
 
 from __future__ import annotations
 
+import mmap
+import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,3 +248,62 @@ def test_a_weights_table_is_its_own_and_leaves_its_fields_alone():
     copy = EncodedWeight(**{**a.__dict__, "frames": b.frames, "crc32": b.crc32})
     assert torch.equal(decoder.decode(copy), wb)
     assert torch.equal(decoder.decode(a), wa)
+
+
+def _resident_pages(mapping_address: int, length: int) -> np.ndarray:
+    """mincore(2): which pages of [address, address + length) are in the page cache."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    assert libc.mincore(ctypes.c_void_p(mapping_address), ctypes.c_size_t(length), vec) == 0
+    return np.frombuffer(bytes(vec), np.uint8) & 1
+
+
+def test_will_need_reads_exactly_the_frames_asked_for(tmp_path):
+    """zl_will_need reads the range it is given into the page cache; under MADV_RANDOM
+    (as read_file leaves a .zlin mapping) nothing around it is read ahead."""
+    path = tmp_path / "pages.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 16 << 20, np.uint8).tobytes())
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapping.madvise(mmap.MADV_RANDOM)
+    view = memoryview(mapping)
+    with ffi.from_buffer("uint8_t[]", view) as data:
+        address = int(ffi.cast("uintptr_t", data))
+    try:
+        before = _resident_pages(address, 16 << 20)
+        assert before.sum() <= 16, before.sum()  # dropped (a few may stay)
+        lo, hi = (4 << 20) + 100, (6 << 20) - 100  # unaligned ends
+        assert lib.zl_will_need(ffi.cast("void *", address + lo), hi - lo) == 0
+        for _ in range(200):  # the read is asynchronous
+            after = _resident_pages(address, 16 << 20)
+            if after[1024:1536].all():
+                break
+            time.sleep(0.01)
+        page = os.sysconf("SC_PAGE_SIZE")
+        assert after[(4 << 20) // page : (6 << 20) // page].all()
+        assert after[(8 << 20) // page :].sum() <= 16  # nothing read ahead past the range
+        assert lib.zl_will_need(ffi.NULL, 0) == 0
+    finally:
+        view.release()
+        mapping.close()
+
+
+def test_read_file_leaves_its_mapping_advised_random(tmp_path):
+    from zstd_linear.fileformat import read_file, write_file
+
+    path = tmp_path / "w.zlin"
+    write_file(path, [("w", encode_weight(torch.randn(256, 256)), None)])
+    entries = read_file(path)
+    flags = None
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            flags = next(ln for ln in lines[i:] if ln.startswith("VmFlags:")).split()[1:]
+            break
+    assert flags is not None and "rr" in flags, flags  # rr: MADV_RANDOM
+    assert Decoder(1).decode(entries[0][1]).shape == (256, 256)

@@ -193,7 +193,21 @@ def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[En
         data = _map_data(f, data_start, data_size)
     entries = [_entry(path, layer, data) for layer in layers]
     _verify_weights(path, entries, layers, threads)
+    _read_at_random(data)
     return entries
+
+
+def _read_at_random(data: memoryview) -> None:
+    """Mark the file's mapping MADV_RANDOM once it has been read through (sequentially,
+    to check it): a later page fault reads its own page, not the disk's read-ahead
+    around it. The decoder asks for each weight's frames ahead of decoding them
+    (``posix_madvise(WILLNEED)`` over their range), so the frames are still read in
+    large requests; what random access stops is the read-ahead of pages no decode asked
+    for, which under a tight limit evicted the pages being used (see
+    ``decoder._ChunkTable.will_need``)."""
+    mapping = data.obj
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_RANDOM"):
+        mapping.madvise(mmap.MADV_RANDOM)
 
 
 def _map_data(f, start: int, size: int) -> memoryview:
