@@ -17,6 +17,7 @@ contexts are per thread and reused, so a decode allocates no buffer the size of 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -462,29 +463,36 @@ class Decoder:
 
 def _split_runs(segments: list, threads: int) -> list[list]:
     """``segments`` cut into at most ``threads`` runs of consecutive chunks, each about
-    the same number of decoded bytes; a segment may be cut between two runs."""
-    units = [(i, c) for i, (_, chunks, _, _) in enumerate(segments) for c in chunks]
-    if threads == 1 or len(units) <= 1:
+    the same number of decoded bytes; a segment may be cut between two runs. Computed
+    per segment and run, not per chunk: a weight's chunks all hold ``chunk_elems``
+    elements but its last."""
+    if threads == 1 or sum(len(chunks) for _, chunks, _, _ in segments) <= 1:
         return [segments]
-    sizes = [
-        (segments[i][0].chunk_range(c)[1] - segments[i][0].chunk_range(c)[0])
-        * segments[i][0].itemsize
-        for i, c in units
-    ]
-    total, runs, run, acc, k = sum(sizes), [], [], 0, 1
-    for (i, c), size in zip(units, sizes, strict=True):
-        encoded, _, target, origin = segments[i]
-        if run and run[-1][0] is encoded and run[-1][2] is target and run[-1][1].stop == c:
-            run[-1] = (encoded, range(run[-1][1].start, c + 1), target, origin)
-        else:
-            run.append((encoded, range(c, c + 1), target, origin))
-        acc += size
-        if acc * threads >= total * k and k < threads:
-            runs.append(run)
-            run, k = [], k + 1
+    total = sum(_span_bytes(encoded, chunks) for encoded, chunks, _, _ in segments)
+    runs, run, done, k = [], [], 0, 1
+    for encoded, chunks, target, origin in segments:
+        step = encoded.chunk_elems * encoded.itemsize
+        start = chunks.start
+        while start < chunks.stop:
+            goal = total * k / threads  # decoded bytes at the end of run k
+            stop = chunks.stop
+            if k < threads:
+                stop = min(stop, start + max(1, math.ceil((goal - done) / step)))
+            part = range(start, stop)
+            run.append((encoded, part, target, origin))
+            done += _span_bytes(encoded, part)
+            start = stop
+            if k < threads and done >= goal:
+                runs.append(run)
+                run, k = [], k + 1
     if run:
         runs.append(run)
     return runs
+
+
+def _span_bytes(encoded: EncodedWeight, chunks: range) -> int:
+    first, last = encoded.span_range(chunks)
+    return (last - first) * encoded.itemsize
 
 
 def _check_frames(encoded: EncodedWeight, c: int) -> None:
