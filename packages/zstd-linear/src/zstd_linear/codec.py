@@ -198,6 +198,11 @@ class EncodedWeight:
         """The elements [start, stop) of the consecutive chunks ``chunks``."""
         return self.chunk_range(chunks.start)[0], self.chunk_range(chunks.stop - 1)[1]
 
+    def span_bytes(self, chunks: range) -> int:
+        """Decoded bytes of the consecutive chunks ``chunks``."""
+        start, stop = self.span_range(chunks)
+        return (stop - start) * self.itemsize
+
 
 def view_weight(raw: torch.Tensor, encoded: EncodedWeight) -> torch.Tensor:
     """raw: (original_bytes,) uint8 -> the weight, encoded.shape, encoded's dtype (a view)."""

@@ -468,7 +468,7 @@ def _split_runs(segments: list, threads: int) -> list[list]:
     elements but its last."""
     if threads == 1 or sum(len(chunks) for _, chunks, _, _ in segments) <= 1:
         return [segments]
-    total = sum(_span_bytes(encoded, chunks) for encoded, chunks, _, _ in segments)
+    total = sum(encoded.span_bytes(chunks) for encoded, chunks, _, _ in segments)
     runs, run, done, k = [], [], 0, 1
     for encoded, chunks, target, origin in segments:
         step = encoded.chunk_elems * encoded.itemsize
@@ -480,7 +480,7 @@ def _split_runs(segments: list, threads: int) -> list[list]:
                 stop = min(stop, start + max(1, math.ceil((goal - done) / step)))
             part = range(start, stop)
             run.append((encoded, part, target, origin))
-            done += _span_bytes(encoded, part)
+            done += encoded.span_bytes(part)
             start = stop
             if k < threads and done >= goal:
                 runs.append(run)
@@ -488,11 +488,6 @@ def _split_runs(segments: list, threads: int) -> list[list]:
     if run:
         runs.append(run)
     return runs
-
-
-def _span_bytes(encoded: EncodedWeight, chunks: range) -> int:
-    first, last = encoded.span_range(chunks)
-    return (last - first) * encoded.itemsize
 
 
 def _check_frames(encoded: EncodedWeight, c: int) -> None:

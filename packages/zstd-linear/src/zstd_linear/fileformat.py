@@ -278,17 +278,12 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
 VERIFY_GROUP_BYTES = 4 << 20
 
 
-def _span_bytes(encoded: EncodedWeight, chunks: range) -> int:
-    lo, hi = encoded.span_range(chunks)
-    return (hi - lo) * encoded.itemsize
-
-
 def _verify_weights(path, entries: list[Entry], layers: list[LayerSpec], threads) -> None:
     """Decode every weight once and compare its bytes with the recorded checksum; the
     verified CRC is kept on the EncodedWeight, so a later save writes the same record.
     A weight is decoded a group of chunks at a time into one reused buffer."""
     groups = [
-        [(span, _span_bytes(encoded, span)) for span in encoded.chunk_groups(VERIFY_GROUP_BYTES)]
+        [(span, encoded.span_bytes(span)) for span in encoded.chunk_groups(VERIFY_GROUP_BYTES)]
         for _, encoded, _ in entries
     ]
     largest = max((nbytes for spans in groups for _, nbytes in spans), default=0)
