@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import time
+
+import numpy as np
 import pytest
 import torch
 
 from paired_cache import SparseMLP
 from paired_cache.cli import main
-from paired_cache.model_io import load_sparse
+from paired_cache.model_io import SafetensorsMap, load_sparse
 from paired_cache.pool_file import PoolFile, mapping_rss
 
 
@@ -165,6 +171,97 @@ def test_pool_mapping_is_advised_random(pool_path):
     flags = _vm_flags(pool_path)
     assert flags and all("rr" in f for f in flags), flags
     del pool
+
+
+def _resident_pages(address: int, length: int) -> np.ndarray:
+    """mincore(2): which pages of [address, address + length) are in the page cache."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * (-(-length // mmap.PAGESIZE)))()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) == 0
+    return np.frombuffer(bytes(vec), np.uint8) & 1
+
+
+def test_will_need_reads_exactly_the_tensor_asked_for(tmp_path):
+    """Mapped MADV_RANDOM, a SafetensorsMap reads what will_need asks for and nothing
+    stored around it (the device's read-ahead would drag in megabytes of neighbours)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "three.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file(
+        {
+            "a": torch.rand(1 << 20, generator=g),  # 4 MiB each, stored in name order
+            "b": torch.rand(1 << 20, generator=g),
+            "c": torch.rand(1 << 20, generator=g),
+        },
+        str(path),
+    )
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+    views = SafetensorsMap(path, random_access=True)
+    assert all("rr" in flags for flags in _vm_flags(path))
+    _, _, begin, end = views.entries["b"]
+    array = np.frombuffer(views._mmap, np.uint8)
+    address, size = array.ctypes.data, array.size
+    page = mmap.PAGESIZE
+    try:
+        assert _resident_pages(address, size).sum() <= 16  # dropped (a few may stay)
+        views.will_need("b")
+        for _ in range(200):  # the read is asynchronous
+            after = _resident_pages(address, size)
+            if after[begin // page : end // page].all():
+                break
+            time.sleep(0.01)
+        assert after[begin // page : end // page].all()
+        assert after[: begin // page - 1].sum() <= 16  # a: not read
+        assert after[end // page + 1 :].sum() <= 16  # c: not read ahead
+    finally:
+        del array
+    # Without random_access the mapping keeps the kernel's default (sequential read-ahead).
+    plain = SafetensorsMap(path)
+    assert any("rr" not in flags for flags in _vm_flags(path))
+    del plain, views
+
+
+def test_read_ahead_asks_for_each_layer_and_the_next(model_dir, pool_path, france, monkeypatch):
+    """As each decoder layer starts, load_sparse's hooks ask for the mapped tensors of that
+    layer and the next (the last asks for the tied lm_head's table): attention, norms and
+    the gate the mask source reads; never the up and down projections the pool replaces."""
+    asked: list[str] = []
+    monkeypatch.setattr(SafetensorsMap, "will_need", lambda self, name: asked.append(name))
+    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    assert all(any("rr" in f for f in _vm_flags(p)) for p in model_dir.glob("*.safetensors"))
+    with torch.no_grad():
+        model(france[:, :3])
+
+    def layer(i):
+        names = [
+            f"model.layers.{i}.{n}"
+            for n in (
+                "input_layernorm.weight",
+                "mlp.gate_proj.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.o_proj.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.v_proj.weight",
+            )
+        ]
+        return sorted(names)
+
+    # SmolLM2 ties its lm_head to the embedding: the file stores the table under one name.
+    stored = {n for p in model_dir.glob("*.safetensors") for n in SafetensorsMap(p).entries}
+    head = ["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"]
+    expected = [n for i in range(30) for n in layer(i) + (layer(i + 1) if i < 29 else head)]
+    assert asked == expected + head
+    assert not any("up_proj" in n or "down_proj" in n for n in asked)
+
+    asked.clear()
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, read_ahead=False)
+    with torch.no_grad():
+        model(france[:, :3])
+    assert asked == []
 
 
 def test_from_pool_file_refuses_a_gate_that_does_not_fit(pool_path):
