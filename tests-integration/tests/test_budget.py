@@ -254,3 +254,28 @@ def test_a_child_that_cannot_join_its_group_is_an_error_not_a_measurement(monkey
     monkeypatch.setattr(cgroup.Cgroup, "wrap", broken_wrap)
     with pytest.raises(cgroup.CgroupUnavailable, match="could not join"):
         run_limited(_py("print('ran unlimited')"), 64 * MiB, drop_cache=False)
+
+
+def test_a_process_mapping_the_model_cache_stops_the_run_before_it_starts(
+    monkeypatch, tmp_path, capsys
+):
+    # Pages a process maps cannot be dropped and stay charged to its group: a limited run
+    # would read them for free. The runner refuses, naming the process and the file, and
+    # runs nothing; with the mapping gone it runs.
+    import mmap
+
+    monkeypatch.setenv("MEMBOUND_CACHE", str(tmp_path))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 8192)
+    marker = tmp_path / "ran"
+    with open(weights, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+        found = cgroup.mapped_by_processes(tmp_path)
+        assert len(found) == 1 and found[0].startswith(f"pid {os.getpid()} (")
+        assert found[0].endswith(f") maps {weights}")
+        code = cli.main(["run", "--limit", "256M", "--", "touch", str(marker)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and not marker.exists()
+        assert err[0].startswith(f"budget: not measured: pid {os.getpid()} (")
+        assert f"maps {weights}: pages a process maps stay in the page cache" in err[0]
+    assert cgroup.mapped_by_processes(tmp_path) == []
+    assert run_limited(["touch", str(marker)], 256 * MiB).completed and marker.exists()

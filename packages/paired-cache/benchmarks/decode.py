@@ -116,12 +116,18 @@ def main(argv: list[str] | None = None) -> None:
             "trained 50%": lambda: load_sparse(
                 model_dir, pool, "trained", FRACTION, predictor=predictor
             ),
+            # No active rows: the C kernel multiplies each token's rows in the mapped pool.
+            "trained 50%, rows in place": lambda: load_sparse(
+                model_dir, pool, "trained", FRACTION, predictor=predictor, rows="in_place"
+            ),
         }
         models = {name: build() for name, build in variants.items()}
         parts = {
             name: breakdown(m, prompt, args.tokens)
             for name, m in models.items()
-            if name.startswith(("cats 50%", "trained")) and "window" not in name
+            if name.startswith(("cats 50%", "trained"))
+            and "window" not in name
+            and "in place" not in name  # no cache update to time apart
         }
         for name, b in parts.items():
             share = {k: round(b[k] / b["token"], 2) for k in ("mask", "update", "matmul", "rest")}
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         rest = round(b["rest"] / b["token"], 2) if b else ""
         rows.append([name, round(1 / med, 2), round(dense_s / med, 2), *per_layer, rest])
     sparse_50 = next(r for r in rows if r[0] == "trained 50%")
+    in_place = next(r for r in rows if r[0] == "trained 50%, rows in place")
     write_result(
         "decode",
         f"Decode speed, SmolLM2-135M float32 from storage, 1 thread, {args.tokens} tokens "
@@ -166,7 +173,13 @@ def main(argv: list[str] | None = None) -> None:
                 "target": "SparseMLP at 50% (trained) >= 1.0x dense tokens/s (ample memory)",
                 "measured": f"{sparse_50[2]}x",
                 "met": sparse_50[2] >= 1.0,
-            }
+            },
+            {
+                "target": "SparseMLP at 50% (trained, rows in place) >= 1.0x dense tokens/s "
+                "(ample memory)",
+                "measured": f"{in_place[2]}x",
+                "met": in_place[2] >= 1.0,
+            },
         ],
         NOISE + " Dense is the plain model as transformers loads it (safetensors mmap'd); "
         "the sparse models are load_sparse over the pool file (mapped read-only), the "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent
 MODULE_NAME = "_paired_cache_core"
-SOURCES = ["pc_cache.c", "pc_update.c", "pc_parallel.c"]
+SOURCES = ["pc_cache.c", "pc_update.c", "pc_parallel.c", "pc_rows.c"]
 HEADERS = ["paired_cache.h", "pc_internal.h"]
 # -O3 for the copy loops; no -march: a wheel must run on any x86-64 / aarch64 machine.
 COMPILE_ARGS = ["-std=c11", "-O3", "-pthread", "-Wall", "-Wextra"]

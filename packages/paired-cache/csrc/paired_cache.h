@@ -90,6 +90,15 @@ int pc_update(pc_cache *cache, const uint8_t *new_mask, int64_t *out_new_count);
 int pc_check_valid(const pc_cache *cache, char *message, size_t message_len);
 void pc_get_stats(const pc_cache *cache, pc_stats *out);
 const char *pc_core_info(void);
+/* The in-place sparse MLP of one token, float32 pools only (pc_rows.c):
+ *   out[hidden] = sum over k < m of g[k] * dot(x, up(idx[k])) * down_T(idx[k])
+ * with up and down_T read from the pool rows where they lie (no active buffers). x:
+ * [up_cols]; g: [m], act(gate x) at the rows idx; idx: [m] row ids in [0, N), any order
+ * (ascending reads the mapping forward); out: [hidden], overwritten. PC_ERR_CONFIG unless
+ * elem_size is 4 (or a pointer is NULL), PC_ERR_INVALID for a row id out of range: both
+ * before out is written. Runs on the calling thread. */
+int pc_rows_mlp_f32(const pc_cache *cache, const float *x, const float *g, const int32_t *idx,
+                    int64_t m, float *out);
 /* cdef-end */
 
 void *pc_aligned_alloc(size_t bytes);

@@ -224,44 +224,81 @@ def test_will_need_reads_exactly_the_tensor_asked_for(tmp_path):
     del plain, views
 
 
-def test_read_ahead_asks_for_each_layer_and_the_next(model_dir, pool_path, france, monkeypatch):
-    """As each decoder layer starts, load_sparse's hooks ask for the mapped tensors of that
-    layer and the next (the last asks for the tied lm_head's table): attention, norms and
-    the gate the mask source reads; never the up and down projections the pool replaces."""
-    asked: list[str] = []
-    monkeypatch.setattr(SafetensorsMap, "will_need", lambda self, name: asked.append(name))
+def test_read_ahead_asks_for_the_next_layer_in_ranges(model_dir, pool_path, france, monkeypatch):
+    """As each decoder layer starts, load_sparse's hooks ask for the mapped tensors of the
+    next one (the first layer for its own too; the last for the tied lm_head's table; the
+    lm_head for the first layer's, where the next token starts): attention, norms and the
+    gate the mask source reads, tensors stored side by side as one range; never the up and
+    down projections the pool replaces. Ranges that look cached are not asked for."""
+    asked: list[tuple[int, int]] = []
+    cached = {"answer": False}
+    monkeypatch.setattr(
+        SafetensorsMap, "is_cached", lambda self, b, e, sample=False: cached["answer"]
+    )
+    monkeypatch.setattr(SafetensorsMap, "will_need_range", lambda self, b, e: asked.append((b, e)))
     model = load_sparse(model_dir, pool_path, "cats", 0.5)
     assert all(any("rr" in f for f in _vm_flags(p)) for p in model_dir.glob("*.safetensors"))
     with torch.no_grad():
         model(france[:, :3])
+    (stored,) = [SafetensorsMap(p) for p in model_dir.glob("*.safetensors")]
+
+    def names_in(begin, end):
+        return sorted(n for n, (_, _, b, e) in stored.entries.items() if begin <= b and e <= end)
 
     def layer(i):
-        names = [
-            f"model.layers.{i}.{n}"
-            for n in (
-                "input_layernorm.weight",
-                "mlp.gate_proj.weight",
-                "post_attention_layernorm.weight",
-                "self_attn.k_proj.weight",
-                "self_attn.o_proj.weight",
-                "self_attn.q_proj.weight",
-                "self_attn.v_proj.weight",
-            )
+        return [
+            [f"model.layers.{i}.input_layernorm.weight"],
+            [f"model.layers.{i}.mlp.gate_proj.weight"],
+            [
+                f"model.layers.{i}.{n}"
+                for n in (
+                    "post_attention_layernorm.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.o_proj.weight",
+                    "self_attn.q_proj.weight",
+                    "self_attn.v_proj.weight",
+                )
+            ],
         ]
-        return sorted(names)
 
     # SmolLM2 ties its lm_head to the embedding: the file stores the table under one name.
-    stored = {n for p in model_dir.glob("*.safetensors") for n in SafetensorsMap(p).entries}
-    head = ["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"]
-    expected = [n for i in range(30) for n in layer(i) + (layer(i + 1) if i < 29 else head)]
-    assert asked == expected + head
-    assert not any("up_proj" in n or "down_proj" in n for n in asked)
+    head = [
+        ["lm_head.weight" if "lm_head.weight" in stored.entries else "model.embed_tokens.weight"]
+    ]
+    expected = layer(0) + [r for i in range(1, 30) for r in layer(i)] + head + layer(0)
+    assert [names_in(b, e) for b, e in asked] == expected
+    assert not any("up_proj" in n or "down_proj" in n for b, e in asked for n in names_in(b, e))
 
     asked.clear()
+    cached["answer"] = True
+    with torch.no_grad():
+        model(france[:, :3])
+    assert asked == []  # everything looks cached: nothing asked for
+
     model = load_sparse(model_dir, pool_path, "cats", 0.5, read_ahead=False)
+    cached["answer"] = False
     with torch.no_grad():
         model(france[:, :3])
     assert asked == []
+
+
+def test_is_cached_sees_dropped_and_read_pages(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "two.safetensors"
+    save_file({"a": torch.rand(1 << 20), "b": torch.rand(1 << 20)}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    views = SafetensorsMap(path, random_access=True)
+    (a,) = views.ranges(["a"])
+    (both,) = views.ranges(["b", "a"])  # side by side: one range, in file order
+    assert both[0] == a[0] and both[1] == views.entries["b"][3]
+    assert not views.is_cached(*a) and not views.is_cached(*a, sample=True)
+    views.tensor("a").sum()  # read every page of a
+    assert views.is_cached(*a) and views.is_cached(*a, sample=True)
+    assert not views.is_cached(*both)
+    del views
 
 
 def test_from_pool_file_refuses_a_gate_that_does_not_fit(pool_path):
@@ -320,3 +357,43 @@ def test_fit_predictor_refuses_an_unreadable_text_and_writes_nothing(model_dir, 
     assert main(["fit-predictor", str(model_dir), str(binary), str(out)]) == 2
     assert "utf-8" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt"]
+
+
+def test_pool_will_need_reads_the_layer_and_a_dense_prefill_asks_for_it(tmp_path, monkeypatch):
+    # The pool is mapped MADV_RANDOM; a dense prefill reads every row of its layer, so it
+    # first asks for the layer's whole range in one request (and nothing around it).
+    from paired_cache.pool_file import write_pool_file
+
+    g = torch.Generator().manual_seed(0)
+    layers = [(f"l{i}", *(torch.rand(512, 256, generator=g) for _ in range(3))) for i in range(3)]
+    path = tmp_path / "p.pcpool"
+    write_pool_file(path, [(n, a, b, c.t().contiguous()) for n, a, b, c in layers])
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    pool = PoolFile(path)
+    array = np.frombuffer(pool._mmap, np.uint8)
+    page, spec = mmap.PAGESIZE, pool.layers[1]
+    first, last = spec.offset // page, (spec.offset + spec.nbytes - 1) // page
+    try:
+        pool.will_need("l1")
+        for _ in range(200):  # asynchronous
+            after = _resident_pages(array.ctypes.data, array.size)
+            if after[first : last + 1].all():
+                break
+            time.sleep(0.01)
+        assert after[first : last + 1].all()
+        l0 = pool.layers[0]
+        assert after[l0.offset // page : (l0.offset + l0.nbytes) // page].sum() <= 16  # not read
+        assert after[last + 2 :].sum() <= 16  # l2 and the header: not read ahead
+    finally:
+        del array
+    asked = []
+    monkeypatch.setattr(PoolFile, "will_need", lambda self, i: asked.append(i))
+    sparse = SparseMLP.from_pool_file(
+        pool, "l2", torch.nn.functional.silu, "cats", 0.5, prefill="dense"
+    )
+    with torch.no_grad():
+        sparse(torch.rand(1, 256))  # one token: sparse, nothing asked
+        assert asked == []
+        sparse(torch.rand(3, 256))
+    assert asked == [2]

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from paired_cache import PairedCache
+from paired_cache import PairedCache, PairedCacheError
 from paired_cache.mask_sources import (
     MASK_SOURCES,
     FixedMask,
@@ -367,3 +367,137 @@ def test_cats_keeps_the_largest_gate_activations():
 def test_bad_window_is_rejected(window):
     with pytest.raises(ValueError, match=r"window must be an int in \[1, 1024\]"):
         SparseMLP.from_mlp(GatedMLP(), "oracle", 0.5, window=window)
+
+
+@pytest.mark.parametrize("source", ["cats", "oracle"])
+def test_in_place_float32_multiplies_the_rows_where_they_lie(source, tmp_path):
+    # A float32 pool whose source hands over act(gate x) (cats) goes through the C kernel
+    # (PairedCache.rows_mlp): the masked dense MLP within float32 rounding, nothing
+    # gathered into temporaries by torch, nothing copied into active buffers. oracle hands
+    # no gate over and keeps the torch gather: the same answer.
+    hidden, n = 72, 200  # columns not a multiple of the kernel's 16-float step
+    mlp = GatedMLP(n=n, hidden=hidden, dtype=torch.float32, seed=9)
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    d = mlp.down_proj.weight.detach()
+    write_pool_file(tmp_path / "p.pcpool", [("mlp", g, u, d)])
+    pool = PoolFile(tmp_path / "p.pcpool")
+    sparse = SparseMLP.from_pool_file(pool, "mlp", mlp.act_fn, source, 0.4, rows="in_place")
+    calls = []
+    rows_mlp = sparse.cache.rows_mlp
+    sparse.cache.rows_mlp = lambda *a: calls.append(1) or rows_mlp(*a)
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for t in range(x.shape[0]):
+            mask = sparse.source.select(x[t])
+            got = sparse(x[t : t + 1])
+            want = mlp.double().masked(x[t : t + 1].double(), mask).float()
+            mlp.float()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32 sums
+    assert len(calls) == (x.shape[0] if source == "cats" else 0)
+    assert sparse.cache.num_active == 0 and sparse.cache.stats.rows_copied == 0
+    assert sparse.pool_bytes_read == 6 * active_rows(0.4, n) * sparse.cache.active_row_bytes
+
+
+def test_rows_mlp_refuses_bad_input_before_computing(tmp_path):
+    hidden, n = 8, 10
+    mlp = GatedMLP(n=n, hidden=hidden, dtype=torch.float32, seed=1)
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    write_pool_file(tmp_path / "p.pcpool", [("mlp", g, u, mlp.down_proj.weight.detach())])
+    cache = SparseMLP.from_pool_file(
+        PoolFile(tmp_path / "p.pcpool"), "mlp", mlp.act_fn, "cats", 0.5, rows="in_place"
+    ).cache
+    x, gv = torch.randn(hidden), torch.randn(3)
+    idx = torch.tensor([0, 4, 9], dtype=torch.int32)
+    want = (
+        gv[:, None] * (u[idx.long()] @ x)[:, None] * mlp.down_proj.weight.detach().t()[idx.long()]
+    ).sum(0)
+    torch.testing.assert_close(cache.rows_mlp(x, gv, idx), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(PairedCacheError, match=r"outside \[0, 10\)"):
+        cache.rows_mlp(x, gv, torch.tensor([0, 4, 10], dtype=torch.int32))
+    with pytest.raises(
+        PairedCacheError, match=r"idx must be a CPU torch.int32 tensor, got torch.int64"
+    ):
+        cache.rows_mlp(x, gv, idx.long())
+    with pytest.raises(PairedCacheError, match=r"g has shape \(2,\), expected \(3,\)"):
+        cache.rows_mlp(x, gv[:2], idx)
+    with pytest.raises(PairedCacheError, match=r"x has shape \(7,\), expected \(8,\)"):
+        cache.rows_mlp(x[:7], gv, idx)
+    with pytest.raises(PairedCacheError, match=r"x must be a CPU torch.float32 tensor"):
+        cache.rows_mlp(x.double(), gv, idx)
+    mlp64 = GatedMLP(n=n, hidden=hidden, seed=1)
+    write_pool_file(
+        tmp_path / "q.pcpool",
+        [
+            (
+                "mlp",
+                mlp64.gate_proj.weight.detach(),
+                mlp64.up_proj.weight.detach(),
+                mlp64.down_proj.weight.detach(),
+            )
+        ],
+    )
+    cache64 = SparseMLP.from_pool_file(
+        PoolFile(tmp_path / "q.pcpool"), "mlp", mlp64.act_fn, "cats", 0.5, rows="in_place"
+    ).cache
+    with pytest.raises(PairedCacheError, match=r"needs a float32 pool, this one is torch.float64"):
+        cache64.rows_mlp(x, gv, idx)
+
+
+@pytest.mark.parametrize("rows", ["copy", "in_place"])
+@pytest.mark.parametrize("source", ["cats", "oracle"])
+def test_dense_prefill_runs_a_prompt_over_every_row_and_decodes_sparse(rows, source, tmp_path):
+    # prefill="dense": a forward of several tokens is the dense MLP (exact, every row, one
+    # product); a forward of one token is still the sparse, masked MLP. The default,
+    # "sparse", runs a prompt token by token with each token's own mask.
+    mlp = GatedMLP(seed=4)
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    write_pool_file(tmp_path / "p.pcpool", [("mlp", g, u, mlp.down_proj.weight.detach())])
+    pool = PoolFile(tmp_path / "p.pcpool")
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def make(**kw):
+        return SparseMLP.from_pool_file(pool, "mlp", mlp.act_fn, source, 0.3, rows=rows, **kw)
+
+    dense = make(prefill="dense")
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x), mlp(x), rtol=1e-12, atol=1e-12)
+        one = dense(x[:1])
+        torch.testing.assert_close(
+            one, mlp.masked(x[:1], dense.source.select(x[0])), rtol=1e-12, atol=1e-12
+        )
+        assert not torch.allclose(one, mlp(x[:1]))  # 30% of the rows: not the dense answer
+        sparse = make()
+        assert sparse.prefill == "sparse"
+        want = torch.cat([mlp.masked(x[t : t + 1], sparse.source.select(x[t])) for t in range(7)])
+        torch.testing.assert_close(sparse(x), want, rtol=1e-12, atol=1e-12)
+    assert dense.tokens == 8 and sparse.tokens == 7
+    sparse.prefill = "dense"
+    torch.testing.assert_close(sparse(x), mlp(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(
+        PairedCacheError, match=r"prefill must be one of \('sparse', 'dense'\), got 'full'"
+    ):
+        sparse.prefill = "full"
+    assert sparse.prefill == "dense"
+    with pytest.raises(PairedCacheError, match=r"prefill must be one of"):
+        make(prefill=None)
+    with pytest.raises(PairedCacheError, match=r"prefill must be one of"):
+        SparseMLP.from_mlp(mlp, "cats", 0.3, prefill="Dense")
+
+
+def test_load_sparse_and_sparsify_model_refuse_an_unknown_prefill_first(tmp_path):
+    from paired_cache.model_io import load_sparse
+
+    with pytest.raises(PairedCacheError, match=r"prefill must be one of .*got 'fast'"):
+        load_sparse(tmp_path / "missing", tmp_path / "missing.pcpool", prefill="fast")
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = GatedMLP(seed=2)
+
+    model = Tiny()
+    with pytest.raises(PairedCacheError, match=r"prefill must be one of .*got 'fast'"):
+        sparsify_model(model, "cats", 0.5, prefill="fast")
+    assert isinstance(model.mlp, GatedMLP)  # nothing replaced
+    (sparse,) = sparsify_model(model, "cats", 0.5, prefill="dense")
+    assert sparse.prefill == "dense"

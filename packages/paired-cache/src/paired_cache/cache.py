@@ -289,6 +289,51 @@ class PairedCache:
                 s.last_added, s.last_removed, s.last_rows_copied, bool(s.last_was_rebuild)
             )
 
+    def rows_mlp(self, x: torch.Tensor, g: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """One token's MLP over the pool rows idx, multiplied where they lie in the pool:
+        sum over k of g[k] * (x . up[idx[k]]) * down_T[idx[k]], as (hidden,).
+
+        x: (up_cols,) float32; g: (m,) float32, act(gate x) at the rows idx; idx: (m,)
+        int32 row ids in [0, N). Float32 pools only. Reads only the picked rows' up and
+        down_T parts, once each, and writes nothing but the result: no active rows change.
+        Raises PairedCacheError, having computed nothing, for any other input.
+        """
+        if self.dtype != torch.float32:
+            raise PairedCacheError(f"rows_mlp needs a float32 pool, this one is {self.dtype}")
+        m = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 1 else -1
+        for name, t, dtype, n in (
+            ("x", x, torch.float32, self.up_cols),
+            ("g", g, torch.float32, m),
+            ("idx", idx, torch.int32, m),
+        ):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu":
+                raise PairedCacheError(
+                    f"rows_mlp: {name} must be a CPU {dtype} tensor, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)}"
+                )
+            if t.dim() != 1 or t.shape[0] != n:
+                raise PairedCacheError(
+                    f"rows_mlp: {name} has shape {tuple(t.shape)}, expected ({n},)"
+                    + (" (idx must be 1-D)" if n < 0 else "")
+                )
+        x, g, idx = x.contiguous(), g.contiguous(), idx.contiguous()
+        out = torch.empty(self.hidden, dtype=torch.float32)
+        rc = lib.pc_rows_mlp_f32(
+            self._handle,
+            ffi.cast("float *", x.data_ptr()),
+            ffi.cast("float *", g.data_ptr()),
+            ffi.cast("int32_t *", idx.data_ptr()),
+            m,
+            ffi.cast("float *", out.data_ptr()),
+        )
+        if rc != lib.PC_OK:
+            raise PairedCacheError(
+                f"rows_mlp: a row id in idx is outside [0, {self.n_rows})"
+                if rc == lib.PC_ERR_INVALID
+                else f"rows_mlp refused by the core ({ERROR_NAMES.get(rc, rc)})"
+            )
+        return out
+
     @property
     def num_active(self) -> int:
         """m: rows currently active."""

@@ -275,6 +275,16 @@ class PoolFile:
         layer = self.layers[i]
         return memoryview(self._mmap)[layer.offset : layer.offset + layer.nbytes]
 
+    def will_need(self, i: int) -> None:
+        """Ask the kernel to read layer i's whole pool now (``MADV_WILLNEED``: one
+        asynchronous request over its range; the mapping is otherwise ``MADV_RANDOM``, so a
+        pass over every row would fault its pages in one at a time)."""
+        layer = self.layers[self.resolve(i)]
+        if not hasattr(mmap, "MADV_WILLNEED") or layer.nbytes == 0:
+            return
+        start = layer.offset - layer.offset % mmap.PAGESIZE
+        self._mmap.madvise(mmap.MADV_WILLNEED, start, layer.offset + layer.nbytes - start)
+
     def verify(self) -> None:
         """Hash every pool (reads the whole file); PairedCacheError naming a damaged one."""
         for i, layer in enumerate(self.layers):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import deque
 
@@ -31,6 +32,9 @@ MIN_CALIBRATION_TOKENS = 16
 # rows (anonymous memory, updated by the rows that change); "in_place", the (mapped) pool
 # itself, each token's rows gathered into temporaries freed after the layer.
 ROW_MODES = ("copy", "in_place")
+# How a forward of several tokens (a prompt) runs its MLP: "sparse", one mask per token,
+# as in decoding; "dense", every row at once, as the dense MLP does.
+PREFILL_MODES = ("sparse", "dense")
 
 SAVE_REFUSED = (
     "a SparseMLP keeps its weights in its paired cache (C memory, or the mapped pool file), "
@@ -63,8 +67,10 @@ class SparseMLP(nn.Module):
         source: MaskSource,
         window: int = 1,
         in_place: bool = False,
+        prefill: str = "sparse",
     ) -> None:
         super().__init__()
+        check_prefill(prefill)
         if cache.gate_cols == 0 or cache.gate_cols != cache.up_cols:
             raise PairedCacheError(
                 f"SparseMLP needs a gate with as many columns as up, got gate_cols="
@@ -86,7 +92,10 @@ class SparseMLP(nn.Module):
                 f"{type(source).__name__} does not return act(gate x)"
             )
         self.cache, self.act_fn, self.source, self.window = cache, act, source, window
-        self.in_place = in_place
+        self.in_place, self.prefill = in_place, prefill
+        # Called before a dense prefill reads every row: from_pool_file sets it to ask
+        # for the layer's whole pool at once.
+        self._will_read_pool = None
         self._recent: deque[torch.Tensor] = deque(maxlen=window)
         self.tokens = 0
         self.pool_rows_read = 0
@@ -146,12 +155,15 @@ class SparseMLP(nn.Module):
         calibration: torch.Tensor | None = None,
         config: CacheConfig | None = None,
         window: int = 1,
+        prefill: str = "sparse",
         **options,
     ) -> SparseMLP:
         """Wrap a gated MLP; source names a MASK_SOURCES entry, calibration is (T, hidden)
         inputs of this MLP for the sources that fit to data; window: tokens whose masks'
-        union stays resident (1: only the current token's rows)."""
+        union stays resident (1: only the current token's rows); prefill: how a forward of
+        several tokens runs, see SparseMLP.prefill."""
         check_mlp(mlp)
+        check_prefill(prefill)
         source_class(source)
         check_window(window)
         parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -168,7 +180,7 @@ class SparseMLP(nn.Module):
             src = make_source(
                 source, cache.gate_pool, cache.up_pool, mlp.act_fn, fraction, calibration, **options
             )
-        return cls(cache, mlp.act_fn, src, window)
+        return cls(cache, mlp.act_fn, src, window, prefill=prefill)
 
     @classmethod
     def from_pool_file(
@@ -184,6 +196,7 @@ class SparseMLP(nn.Module):
         calibration: torch.Tensor | None = None,
         gate: torch.Tensor | None = None,
         rows: str = "copy",
+        prefill: str = "sparse",
         **options,
     ) -> SparseMLP:
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
@@ -200,9 +213,10 @@ class SparseMLP(nn.Module):
         updated by the rows that change) or "in_place" (no active rows: each token gathers
         its rows from the mapping into temporaries freed after the layer, so the only copy
         that stays is the page cache's, which a hard memory limit can reclaim; window must
-        be 1)."""
+        be 1). prefill: how a forward of several tokens runs, see SparseMLP.prefill."""
         source_class(source)
         check_window(window)
+        check_prefill(prefill)
         if rows not in ROW_MODES:
             raise PairedCacheError(f"rows must be one of {ROW_MODES}, got {rows!r}")
         in_place = rows == "in_place"
@@ -238,7 +252,9 @@ class SparseMLP(nn.Module):
         )
         gate = cache.gate_pool if gate is None else gate
         src = make_source(source, gate, cache.up_pool, act, fraction, calibration, **options)
-        return cls(cache, act, src, window, in_place=in_place)
+        sparse = cls(cache, act, src, window, in_place=in_place, prefill=prefill)
+        sparse._will_read_pool = functools.partial(pool_file.will_need, index)
+        return sparse
 
     def _in_place_forward(
         self, x: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None
@@ -246,6 +262,10 @@ class SparseMLP(nn.Module):
         """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, read from the pool;
         gate: (N,) act(gate x) of the one token x when the mask source computed it."""
         idx = mask.nonzero().squeeze(1)  # (m,) ascending
+        if gate is not None and x.shape[0] == 1 and self.cache.dtype == torch.float32:
+            # The C kernel: each picked row's up and down_T read once, where they lie.
+            self.pool_rows_read += idx.numel()
+            return self.cache.rows_mlp(x[0], gate[idx], idx.to(torch.int32)).unsqueeze(0)
         up = self.cache.up_pool.index_select(0, idx)  # (m, up_cols)
         if gate is None:
             g = self.act_fn(F.linear(x, self.cache.gate_pool.index_select(0, idx)))  # (T, m)
@@ -295,10 +315,39 @@ class SparseMLP(nn.Module):
         keep = mask if self.window > 1 else None
         return self._active_forward(x, keep, gate)
 
+    @property
+    def prefill(self) -> str:
+        """How a forward of several tokens (a prompt) runs. "sparse" (the default): one
+        mask per token, as in decoding, each token's rows only; what the quality benchmarks
+        measure. "dense": every row at once, the dense MLP's product over the pool (a pool
+        file's layer asked for in one read first), exact, and one matrix product instead of
+        one per token; the rows of
+        a long prompt's per-token masks cover nearly every row anyway. A forward of one
+        token (decoding) is sparse either way."""
+        return self._prefill
+
+    @prefill.setter
+    def prefill(self, mode: str) -> None:
+        check_prefill(mode)
+        self._prefill = mode
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden) over every row, read where it lies in the pool:
+        gate, up and down from the pool's rows (they share pages, so the pool's gate block
+        costs no read that up and down do not make)."""
+        if self._will_read_pool is not None:
+            self._will_read_pool()
+        h = self.act_fn(F.linear(x, self.cache.gate_pool)) * F.linear(x, self.cache.up_pool)
+        if self.in_place:
+            self.pool_rows_read += self.cache.n_rows
+        return h @ self.cache.down_pool_T
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
-        if not self.source.per_token:
+        if flat.shape[0] > 1 and self._prefill == "dense":
+            out = self._dense_forward(flat)
+        elif not self.source.per_token:
             out = self._rows_forward(flat, self.source.select(flat[0]), None)
         else:
             out = torch.empty_like(flat)
@@ -331,6 +380,11 @@ def check_mlp(mlp: nn.Module, name: str = "") -> None:
             f"the MLPs on storage the package's way: paired_cache.convert(MODEL_DIR, POOL) "
             f"and paired_cache.load_sparse(MODEL_DIR, POOL, ...)"
         )
+
+
+def check_prefill(prefill) -> None:
+    if not isinstance(prefill, str) or prefill not in PREFILL_MODES:
+        raise PairedCacheError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
 
 
 def check_window(window) -> None:
@@ -384,6 +438,7 @@ def sparsify_model(
     calibration_ids: torch.Tensor | None = None,
     config: CacheConfig | None = None,
     window: int = 1,
+    prefill: str = "sparse",
     **options,
 ) -> list[SparseMLP]:
     """Replace every gated MLP of model by a SparseMLP in place and return them in order.
@@ -410,6 +465,7 @@ def sparsify_model(
         )
     needs_calibration = source_class(source).needs_calibration
     check_window(window)
+    check_prefill(prefill)
     for name in names:
         check_mlp(model.get_submodule(name), name)
     if calibration_ids is not None:
@@ -431,6 +487,7 @@ def sparsify_model(
             calibration.get(name),
             config,
             window,
+            prefill,
             **_layer_options(options, len(replaced)),
         )
         setattr(parent, child, sparse)

@@ -7,6 +7,7 @@
  * row, so a row copied from the wrong place, or a pool layout other than gate | up | down_T
  * per neuron, is caught without trusting the core's own check.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -326,11 +327,99 @@ static void test_pool_row_stride(void) {
     }
 }
 
+/* pc_rows_mlp_f32 against a double-precision sum over the same pool rows: column counts
+ * that are and are not multiples of the 8- and 16-float steps, an empty and a full pick,
+ * ids in any order, and the refusals (not float32, an id out of range) leaving out as it was. */
+static void test_rows_mlp(int64_t n, int64_t gate, int64_t up, int64_t hidden, int mapped) {
+    pc_config cfg = base_config(n, gate, up, hidden, 4, n);
+    size_t stride = (size_t)pc_pool_row_stride(gate, up, hidden, 4);
+    uint8_t *pool = NULL;
+    float *rows = NULL;
+    pc_cache *cache = NULL;
+    if (mapped) {
+        pool = aligned_alloc(64, stride * (size_t)n); /* stride: a multiple of 64 */
+        CHECK(pool != NULL, "alloc pool");
+        CHECK(pc_create_mapped(&cfg, pool, &cache) == PC_OK, "pc_create_mapped");
+    } else {
+        CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create");
+    }
+    if (cache == NULL) {
+        free(pool);
+        return;
+    }
+    uint8_t *base = pc_neuron_pool(cache);
+    for (int64_t r = 0; r < n; r++) {
+        rows = (float *)(base + (size_t)r * stride);
+        for (int64_t c = 0; c < gate + up + hidden; c++)
+            rows[c] = (float)((int64_t)(next_u64() % 2001) - 1000) / 1000.0f;
+    }
+    float *x = malloc((size_t)up * sizeof(float));
+    float *g = malloc((size_t)n * sizeof(float));
+    float *out = malloc((size_t)hidden * sizeof(float));
+    double *want = malloc((size_t)hidden * sizeof(double));
+    double *mag = malloc((size_t)hidden * sizeof(double)); /* the sum of |terms| per column */
+    int32_t *idx = malloc((size_t)n * sizeof(int32_t));
+    for (int64_t c = 0; c < up; c++) x[c] = (float)((int64_t)(next_u64() % 2001) - 1000) / 500.0f;
+    for (int trial = 0; trial < 20; trial++) {
+        int64_t m = trial == 0 ? 0 : trial == 1 ? n : (int64_t)(next_u64() % (uint64_t)(n + 1));
+        for (int64_t k = 0; k < m; k++) {
+            idx[k] = trial == 1 ? (int32_t)(n - 1 - k) : (int32_t)(next_u64() % (uint64_t)n);
+            g[k] = (float)((int64_t)(next_u64() % 2001) - 1000) / 1000.0f;
+        }
+        for (int64_t c = 0; c < hidden; c++) want[c] = mag[c] = 0.0;
+        for (int64_t k = 0; k < m; k++) {
+            const float *row = (const float *)(base + (size_t)idx[k] * stride);
+            double h = 0.0, habs = 0.0;
+            for (int64_t c = 0; c < up; c++) {
+                h += (double)x[c] * row[gate + c];
+                habs += fabs((double)x[c] * row[gate + c]);
+            }
+            for (int64_t c = 0; c < hidden; c++) {
+                want[c] += h * g[k] * row[gate + up + c];
+                mag[c] += habs * fabs(g[k] * row[gate + up + c]);
+            }
+        }
+        for (int64_t c = 0; c < hidden; c++) out[c] = 12345.0f;
+        CHECK(pc_rows_mlp_f32(cache, x, g, idx, m, out) == PC_OK, "rows_mlp m=%lld", (long long)m);
+        for (int64_t c = 0; c < hidden; c++)
+            /* float32 sums: each term off by at most (up + m + 2) roundings of 2^-24 */
+            CHECK(fabs(out[c] - want[c]) <= 6e-8 * (double)(up + m + 2) * mag[c] + 1e-30,
+                  "rows_mlp n=%lld up=%lld hidden=%lld m=%lld col %lld: %g != %g", (long long)n,
+                  (long long)up, (long long)hidden, (long long)m, (long long)c, out[c], want[c]);
+    }
+    for (int64_t c = 0; c < hidden; c++) out[c] = 7.0f;
+    idx[0] = (int32_t)n;
+    CHECK(pc_rows_mlp_f32(cache, x, g, idx, 1, out) == PC_ERR_INVALID, "id N accepted");
+    idx[0] = -1;
+    CHECK(pc_rows_mlp_f32(cache, x, g, idx, 1, out) == PC_ERR_INVALID, "id -1 accepted");
+    CHECK(pc_rows_mlp_f32(cache, x, g, idx, -1, out) == PC_ERR_CONFIG, "m -1 accepted");
+    for (int64_t c = 0; c < hidden; c++) CHECK(out[c] == 7.0f, "a refused call wrote out");
+    pc_destroy(cache);
+    cfg = base_config(n, gate, up, hidden, 2, n);
+    CHECK(pc_create(&cfg, &cache) == PC_OK, "pc_create elem 2");
+    if (cache != NULL) {
+        idx[0] = 0;
+        CHECK(pc_rows_mlp_f32(cache, x, g, idx, 1, out) == PC_ERR_CONFIG, "elem 2 accepted");
+        pc_destroy(cache);
+    }
+    free(x);
+    free(g);
+    free(out);
+    free(want);
+    free(mag);
+    free(idx);
+    free(pool);
+}
+
 int main(void) {
     test_config_errors();
     test_corruption_detected();
     test_pool_row_stride();
     test_mapped_errors();
+    test_rows_mlp(37, 21, 21, 13, 0);
+    test_rows_mlp(64, 16, 16, 16, 1);
+    test_rows_mlp(9, 5, 5, 3, 1);
+    test_rows_mlp(200, 64, 64, 72, 0);
     const int64_t elems[4] = {8, 4, 2, 1};
     for (int e = 0; e < 4; e++) {
         for (int mapped = 0; mapped < 2; mapped++) {

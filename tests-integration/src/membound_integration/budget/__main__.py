@@ -17,7 +17,12 @@ import sys
 
 from membound_integration.budget.cgroup import CgroupUnavailable, block_device_of
 from membound_integration.budget.profiles import MB, PROFILES, MiB
-from membound_integration.budget.runner import RunResult, bisect_min_limit, run_limited
+from membound_integration.budget.runner import (
+    MappedElsewhere,
+    RunResult,
+    bisect_min_limit,
+    run_limited,
+)
 
 
 def parse_size(text: str) -> int:
@@ -137,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": cmd_run, "bisect": cmd_bisect, "rows": cmd_rows}[args.command](args)
     except CgroupUnavailable as exc:
         print(f"budget: no hard limit can be set here: {exc}", file=sys.stderr)
+        return 2
+    except MappedElsewhere as exc:
+        print(f"budget: not measured: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:
         print(f"budget: error: {exc}", file=sys.stderr)

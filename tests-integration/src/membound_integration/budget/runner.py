@@ -17,6 +17,7 @@ from membound_integration.budget.cgroup import (
     CgroupUnavailable,
     Sample,
     drop_page_cache,
+    mapped_by_processes,
 )
 
 MiB = 2**20
@@ -60,6 +61,10 @@ class RunResult:
         return "ok" if self.returncode == 0 else f"exit {self.returncode}"
 
 
+class MappedElsewhere(RuntimeError):
+    """A process maps model files that a limited run would read: no measurement is made."""
+
+
 def run_limited(
     command: list[str],
     memory_bytes: int,
@@ -78,9 +83,22 @@ def run_limited(
     file-backed peaks (a spike shorter than that can be missed; ``peak_usage``, the
     kernel's own peak of both together, misses nothing). A run past
     ``timeout`` seconds is killed and reported as timed out. Raises CgroupUnavailable
-    where no cgroup can be made.
+    where no cgroup can be made, and MappedElsewhere, before the run, where a process
+    (this one too) maps a file under membound's model cache (``$MEMBOUND_CACHE``): those
+    pages cannot be dropped and the limit would not bind on them.
     """
     note = drop_page_cache() if drop_cache else None
+    if drop_cache:
+        from membound_testing.models import cache_dir
+
+        holders = mapped_by_processes(cache_dir())
+        if holders:
+            raise MappedElsewhere(
+                f"{holders[0]}{f' (and {len(holders) - 1} other processes)' if len(holders) > 1 else ''}"
+                ": pages a process maps stay in the page cache, charged to its group, so a "
+                "run would read them for free and the limit would not bind on them; stop "
+                "it (or let it exit) and run again"
+            )
     with Cgroup(memory_bytes, read_bps, device) as group:
         child_env = dict(os.environ if env is None else env)
         counter = group.io_counter_path()

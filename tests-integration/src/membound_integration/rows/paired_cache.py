@@ -6,8 +6,10 @@ model without ever materialising the dense MLP weights, and every other weight i
 the mapped safetensors. Each token's mask is the trained (gated) predictor's: the gate
 computed exactly from gate_proj mapped from the safetensors, up x predicted at rank 64, fitted by the PREPARE step
 on 16,384 tokens of Python's documentation and kept beside the pool. The paired-replacement
-cache copies the chosen rows from the mapping into its active buffers. The bounded
-component is the MLP weight resident in those buffers.
+cache copies the chosen rows from the mapping into its active buffers (or, in place, the
+C kernel multiplies them where they lie). The prompt runs dense (every row at once); each
+generated token runs sparse. The bounded component is the MLP weight resident in those
+buffers.
 """
 
 from membound_integration.row import QUESTION, Row, greedy_generate
@@ -64,12 +66,17 @@ def paired_cache_row(rows: str = "copy") -> Row:
     path = pool_path()
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    model = load_sparse(model_dir, path, SOURCE, FRACTION, predictor=predictor_path(), rows=rows)
+    # The prompt's MLPs run over every row at once (its tokens' masks would cover nearly
+    # every row anyway); each generated token runs sparse.
+    model = load_sparse(
+        model_dir, path, SOURCE, FRACTION, predictor=predictor_path(), rows=rows, prefill="dense"
+    )
     mlps = [layer.mlp for layer in model.model.layers]
     gen = greedy_generate(model, tokenizer, chat_prompt(tokenizer, QUESTION))
     how = "rows read in place from" if rows == "in_place" else "pool mapped from"
     return Row(
-        name=f"SparseMLP {round(FRACTION * 100)}% rows, {SOURCE}, {how} storage (paired-cache)",
+        name=f"SparseMLP {round(FRACTION * 100)}% rows, {SOURCE}, {how} storage, dense "
+        "prefill (paired-cache)",
         **gen.row_fields(),
         component="MLP weights resident (active rows)",
         resident_bytes=sum(m.cache.active_bytes for m in mlps),
