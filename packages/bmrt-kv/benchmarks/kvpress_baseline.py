@@ -38,7 +38,7 @@ import sys
 import time
 
 import torch
-from common import write_result
+from common import earlier_result, write_result
 
 from bmrt_kv.evaluation import passkey_samples
 from bmrt_kv.suite import TASKS, suite_samples
@@ -228,6 +228,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--name", default=None, help="results/<name>.json")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add rows to results/<name>.json (e.g. the tasks a cut-off run did not reach)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = args.name or ("kvpress_suite" if args.tasks else "kvpress_baseline")
@@ -245,7 +250,8 @@ def main(argv=None) -> None:
             "prefill's, in every layer"
         )
         print(checked, flush=True)
-    rows = []
+    earlier = earlier_result(name, args.append)
+    rows = earlier["rows"] if earlier else []
     for n_tokens in args.lengths:
         if args.tasks:
             by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, args.tasks)
@@ -275,10 +281,10 @@ def main(argv=None) -> None:
                     )
                     print(rows[-1], repr(results[0][key][2][:60]), flush=True)
                 print(f"{task} {mode}: {seconds:.1f} s/sample for all pairs", flush=True)
-                _write(args, argv, name, rows, load_start, checked)
+                _write(args, argv, name, rows, load_start, checked, earlier)
 
 
-def _write(args, argv, name, rows, load_start, checked) -> None:
+def _write(args, argv, name, rows, load_start, checked, earlier=None) -> None:
     """Rewrite the JSON after every task and mode, so a cut-off run keeps what it measured."""
     import transformers
 
@@ -289,9 +295,11 @@ def _write(args, argv, name, rows, load_start, checked) -> None:
         COLUMNS,
         rows,
         [],
-        command="hatch run kvpress:python packages/bmrt-kv/benchmarks/kvpress_baseline.py "
+        command=(earlier["command"] + " ; then " if earlier else "")
+        + "hatch run kvpress:python packages/bmrt-kv/benchmarks/kvpress_baseline.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        notes=f"kvpress {importlib.metadata.version('kvpress')} with transformers "
+        notes=(earlier["notes"] + " THEN (--append) " if earlier else "")
+        + f"kvpress {importlib.metadata.version('kvpress')} with transformers "
         f"{transformers.__version__}; samples as bmrt-kv's "
         + ("suite.py" if args.tasks else "passkey.py")
         + f" (seed {args.seed}, {args.samples} per task and length); modes {args.modes}. "
