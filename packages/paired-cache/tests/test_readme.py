@@ -45,6 +45,7 @@ def test_python_then_shell_blocks_answer_paris(tmp_path, monkeypatch, capfd):
     assert all(layer.mlp.window == 4 and layer.mlp.tokens > 0 for layer in loaded.model.layers)
     lean = [layer.mlp for layer in namespace["lean"].model.layers]
     assert all(m.in_place and m.tokens > 0 and m.cache.num_active == 0 for m in lean)
+    assert all(m.prefill == "dense" for m in lean)
     # The cache alone: 768 rows held, the update copied them from the dense MLP.
     assert namespace["cache"].num_active == 768 and namespace["info"].added == 768
     from_directory = _sha256(tmp_path / "smollm2.pcpool")

@@ -12,7 +12,6 @@ dense MLP weights are never materialised, and no weight becomes anonymous memory
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
 import mmap
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paired_cache._pages import MappedPages
 from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.pool_file import PoolFile, write_pool_file
@@ -40,7 +40,7 @@ ST_DTYPES = {
 MLP_SUFFIXES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
-class SafetensorsMap:
+class SafetensorsMap(MappedPages):
     """A .safetensors file mapped read-only: tensor(name) is a zero-copy view of its bytes.
 
     random_access: advise the mapping ``MADV_RANDOM``, so that a page fault reads its page
@@ -70,7 +70,6 @@ class SafetensorsMap:
             raise PairedCacheError(f"{self.path}: header is not a JSON object")
         meta.pop("__metadata__", None)
         self._start, self._size = 8 + n, size
-        self._address, self._vec = None, (ctypes.c_ubyte * 1)()  # one page's mincore byte
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, entry in meta.items():
             try:
@@ -105,47 +104,6 @@ class SafetensorsMap:
                 out.append([begin, end])
         return [(b, e) for b, e in out if e > b]
 
-    def _base(self) -> int:
-        if self._address is None:
-            # Read-only mappings refuse ctypes' from_buffer; numpy takes their address.
-            import numpy as np
-
-            self._array = np.frombuffer(self._mmap, np.uint8)
-            self._address = self._array.ctypes.data
-        return self._address
-
-    def is_cached(self, begin: int, end: int, *, sample: bool = False) -> bool:
-        """Whether the file's bytes [begin, end) are in the page cache (``mincore``): every
-        page, or with sample=True its first, middle and last pages only (a range read in
-        order is evicted oldest page first, so a missing first page shows eviction). False
-        where mincore is unavailable. Far cheaper than asking for cached pages with
-        ``will_need_range``, which walks them in the kernel."""
-        if _mincore is None:
-            return False
-        page, base = mmap.PAGESIZE, self._base()
-        if end <= begin:
-            return True
-        if sample:
-            vec = self._vec
-            for at in (begin, (begin + end - 1) // 2, end - 1):
-                if _mincore(base + at - at % page, page, vec) != 0 or not vec[0] & 1:
-                    return False
-            return True
-        start = begin - begin % page
-        pages = -(-(end - start) // page)
-        vec = (ctypes.c_ubyte * pages)()
-        if _mincore(base + start, end - start, vec) != 0:
-            return False
-        return all(b & 1 for b in bytes(vec))
-
-    def will_need_range(self, begin: int, end: int) -> None:
-        """``MADV_WILLNEED`` over the file's bytes [begin, end): one asynchronous read."""
-        if not hasattr(mmap, "MADV_WILLNEED"):
-            return
-        start = begin - begin % mmap.PAGESIZE  # madvise takes a page-aligned start
-        if end > start:
-            self._mmap.madvise(mmap.MADV_WILLNEED, start, end - start)
-
     def will_need(self, name: str) -> None:
         """Have the kernel read tensor ``name``'s bytes now, in one asynchronous request
         over exactly its range (``MADV_WILLNEED``); pages already cached cost a lookup."""
@@ -163,20 +121,6 @@ class SafetensorsMap:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(memoryview(self._mmap)[begin:end], dtype=torch.uint8)
         return flat.view(dtype).view(shape)
-
-
-def _libc_mincore():
-    """libc's mincore(2), or None where libc has none (is_cached then says False)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mincore = _libc_mincore()
 
 
 def _safetensors_files(source: Path) -> list[Path]:
@@ -438,8 +382,15 @@ def load_sparse(
     guard_sparse_model(model)
     if read_ahead:
         blocks = [_layer_block(model, name.rpartition(".")[0], where, used) for name in mlp_names]
+        # In place, each token reads about half of every row's up | down_T part, scattered:
+        # 4 KiB faults, one at a time. Asking for the layer's whole pool ahead reads more
+        # bytes, in requests the device serves at its bandwidth.
+        pool_ranges = [
+            [(pools, pools.layer_range(i))] if rows == "in_place" else []
+            for i in range(len(mlp_names))
+        ]
         head = _head_block(model, where, used)
-        _add_read_ahead(blocks + ([head] if head else []))
+        _add_read_ahead(blocks + ([head] if head else []), [*pool_ranges, []])
     return model
 
 
@@ -466,7 +417,7 @@ def _head_block(model: nn.Module, where, used: set[str]) -> Block | None:
     return (head, [(where[key], key)]) if key in used else None
 
 
-def _add_read_ahead(blocks: list[Block]) -> None:
+def _add_read_ahead(blocks: list[Block], extra=None) -> None:
     """A forward pre-hook on each block asks for the next block's mapped tensors (the last
     block's, the head's, for the first block's: the next token starts there; the first
     block asks for its own too), so that their read overlaps this block's compute.
@@ -474,8 +425,10 @@ def _add_read_ahead(blocks: list[Block]) -> None:
     gate, and the post-attention norm with the attention projections), and only ranges
     that do not look cached (``is_cached(sample=True)``) are asked for: asking for cached
     pages still walks them in the kernel (SmolLM2 under ample memory: 7 ms of a 47 ms
-    token for 0.10's ~480 asks per token). The hooks stay with the model, which
-    load_sparse built."""
+    token for 0.10's ~480 asks per token). extra[i]: more (mapping, (begin, end)) ranges
+    block i reads, asked for with its tensors (a pool file's layer, in place). The hooks
+    stay with the model, which load_sparse built."""
+    extra = extra if extra is not None else [[] for _ in blocks]
 
     def ranges(tensors):
         by_map: dict[int, tuple[SafetensorsMap, list[str]]] = {}
@@ -484,9 +437,10 @@ def _add_read_ahead(blocks: list[Block]) -> None:
         return [(m, r) for m, names in by_map.values() for r in m.ranges(names)]
 
     for i, (module, own) in enumerate(blocks):
-        wanted = ranges(blocks[(i + 1) % len(blocks)][1])
+        after = (i + 1) % len(blocks)
+        wanted = ranges(blocks[after][1]) + extra[after]
         if i == 0:
-            wanted = ranges(own) + wanted
+            wanted = ranges(own) + extra[0] + wanted
 
         def ask(_module, _args, wanted=wanted) -> None:  # returns None: args unchanged
             for mapping, (begin, end) in wanted:

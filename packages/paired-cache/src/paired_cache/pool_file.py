@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from paired_cache._core import lib
+from paired_cache._pages import MappedPages
 from paired_cache.errors import PairedCacheError
 
 MAGIC = b"PCPOOL\x00\x01"
@@ -177,7 +178,7 @@ def _field(layer: dict, key: str, low: int, high: int) -> int:
     return value
 
 
-class PoolFile:
+class PoolFile(MappedPages):
     """A pool file mapped read-only. layers: the PoolLayer of each MLP, in file order.
 
     The mapping is shared by every PairedCache built on it and lives as long as any of
@@ -275,15 +276,16 @@ class PoolFile:
         layer = self.layers[i]
         return memoryview(self._mmap)[layer.offset : layer.offset + layer.nbytes]
 
-    def will_need(self, i: int) -> None:
+    def layer_range(self, i: int | str) -> tuple[int, int]:
+        """(begin, end): the file's bytes that hold layer i's pool."""
+        layer = self.layers[self.resolve(i)]
+        return layer.offset, layer.offset + layer.nbytes
+
+    def will_need(self, i: int | str) -> None:
         """Ask the kernel to read layer i's whole pool now (``MADV_WILLNEED``: one
         asynchronous request over its range; the mapping is otherwise ``MADV_RANDOM``, so a
         pass over every row would fault its pages in one at a time)."""
-        layer = self.layers[self.resolve(i)]
-        if not hasattr(mmap, "MADV_WILLNEED") or layer.nbytes == 0:
-            return
-        start = layer.offset - layer.offset % mmap.PAGESIZE
-        self._mmap.madvise(mmap.MADV_WILLNEED, start, layer.offset + layer.nbytes - start)
+        self.will_need_range(*self.layer_range(i))
 
     def verify(self) -> None:
         """Hash every pool (reads the whole file); PairedCacheError naming a damaged one."""
