@@ -282,6 +282,33 @@ def test_read_ahead_asks_for_the_next_layer_in_ranges(model_dir, pool_path, fran
     assert asked == []
 
 
+def test_in_place_read_ahead_asks_for_the_next_layers_pool(model_dir, pool_path, france, monkeypatch):
+    """In place, each hook asks for the next layer's whole pool beside its tensors: a token
+    reads about half of every row, and one request over the layer is read at the device's
+    bandwidth where scattered 4 KiB faults are not."""
+    from paired_cache._pages import MappedPages
+
+    asked: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(MappedPages, "is_cached", lambda self, b, e, sample=False: False)
+    monkeypatch.setattr(
+        MappedPages, "will_need_range", lambda self, b, e: asked.append((type(self).__name__, b, e))
+    )
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="in_place")
+    with torch.no_grad():
+        model(france[:, :1])
+    pool = PoolFile(pool_path)
+    pools = [(n, b, e) for n, b, e in asked if n == "PoolFile"]
+    want = [0, *range(1, 30), 0]  # layer 0 asks for its own, the lm_head for layer 0's
+    assert [(b, e) for _, b, e in pools] == [pool.layer_range(i) for i in want]
+    assert {n for n, _, _ in asked} == {"PoolFile", "SafetensorsMap"}
+
+    asked.clear()
+    model = load_sparse(model_dir, pool_path, "cats", 0.5)  # rows="copy": no pool asks
+    with torch.no_grad():
+        model(france[:, :1])
+    assert asked and {n for n, _, _ in asked} == {"SafetensorsMap"}
+
+
 def test_is_cached_sees_dropped_and_read_pages(tmp_path):
     from safetensors.torch import save_file
 
