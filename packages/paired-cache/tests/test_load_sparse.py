@@ -282,7 +282,9 @@ def test_read_ahead_asks_for_the_next_layer_in_ranges(model_dir, pool_path, fran
     assert asked == []
 
 
-def test_in_place_read_ahead_asks_for_the_next_layers_pool(model_dir, pool_path, france, monkeypatch):
+def test_in_place_read_ahead_asks_for_the_next_layers_pool(
+    model_dir, pool_path, france, monkeypatch
+):
     """In place, each hook asks for the next layer's whole pool beside its tensors: a token
     reads about half of every row, and one request over the layer is read at the device's
     bandwidth where scattered 4 KiB faults are not."""
