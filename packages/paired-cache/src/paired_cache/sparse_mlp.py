@@ -321,9 +321,8 @@ class SparseMLP(nn.Module):
         mask per token, as in decoding, each token's rows only; what the quality benchmarks
         measure. "dense": every row at once, the dense MLP's product over the pool (a pool
         file's layer asked for in one read first), exact, and one matrix product instead of
-        one per token; the rows of
-        a long prompt's per-token masks cover nearly every row anyway. A forward of one
-        token (decoding) is sparse either way."""
+        one per token; the rows of a long prompt's per-token masks cover nearly every row
+        anyway. A forward of one token (decoding) is sparse either way."""
         return self._prefill
 
     @prefill.setter
