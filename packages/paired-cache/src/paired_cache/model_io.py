@@ -107,8 +107,6 @@ class SafetensorsMap(MappedPages):
     def will_need(self, name: str) -> None:
         """Have the kernel read tensor ``name``'s bytes now, in one asynchronous request
         over exactly its range (``MADV_WILLNEED``); pages already cached cost a lookup."""
-        if not hasattr(mmap, "MADV_WILLNEED"):
-            return
         _, _, begin, end = self.entries[name]
         self.will_need_range(begin, end)
 
