@@ -24,7 +24,7 @@ PROG = "paired-cache"
 def cmd_convert(args: argparse.Namespace) -> int:
     from paired_cache.model_io import convert
 
-    layers = convert(args.source, args.out, progress=not args.quiet)
+    layers = convert(args.source, args.out, gate=not args.no_gate, progress=not args.quiet)
     total = sum(layer.nbytes for layer in layers)
     print(f"{args.out}: {len(layers)} MLP pools, {total / 2**20:.1f} MiB")
     return 0
@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("source", help="a HF model directory, a .safetensors file or a .gguf file")
     conv.add_argument("out", help="the pool file to write (replaced atomically)")
+    conv.add_argument(
+        "--no-gate",
+        action="store_true",
+        help="rows of up | down_T only, a third smaller: for load_sparse with a source that "
+        "computes act(gate x) from gate_proj in the safetensors (cats, the gated predictor)",
+    )
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 

@@ -200,9 +200,19 @@ class _Progress:
         self.stream.flush()
 
 
-def convert(source: str | os.PathLike, out: str | os.PathLike, *, progress: bool = True):
+def convert(
+    source: str | os.PathLike, out: str | os.PathLike, *, gate: bool = True, progress: bool = True
+):
     """Write every gated MLP of the model at source into the pool file out; returns its
-    PoolLayer list. Nothing is left at out when it fails."""
+    PoolLayer list. Nothing is left at out when it fails.
+
+    gate=False writes rows of up | down_T only (gate_cols 0): a third smaller for a
+    SwiGLU MLP, for load_sparse with a mask source that computes act(gate x) itself
+    ("cats", "trained" with the gated predictor) from gate_proj mapped from the model's
+    safetensors. Every row a token reads, and every layer the in-place read-ahead asks
+    for, is then the bytes the kernel multiplies and nothing else."""
+    if not isinstance(gate, bool):
+        raise PairedCacheError(f"gate must be a bool, got {gate!r}")
     source = Path(source)
     if not source.exists():
         raise PairedCacheError(f"{source} does not exist")
@@ -211,7 +221,10 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, *, progress: bool
         maps = [SafetensorsMap(p) for p in _safetensors_files(source)]
         total = len(_mlp_prefixes(name for m in maps for name in m.entries))
     bar = _Progress(total) if progress else None
-    return write_pool_file(out, iter_mlp_weights(source), progress=bar)
+    layers = iter_mlp_weights(source)
+    if not gate:
+        layers = ((name, g[:, :0], up, down) for name, g, up, down in layers)
+    return write_pool_file(out, layers, progress=bar)
 
 
 def save_dense(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> Path:

@@ -68,13 +68,24 @@ class SparseMLP(nn.Module):
         window: int = 1,
         in_place: bool = False,
         prefill: str = "sparse",
+        gate: torch.Tensor | None = None,
     ) -> None:
+        """gate: (N, up_cols) the gate weights, only for a cache whose pool holds none (a
+        pool file converted with gate=False); the mask source must then compute act(gate
+        x) itself, and a dense prefill multiplies by this gate."""
         super().__init__()
         check_prefill(prefill)
-        if cache.gate_cols == 0 or cache.gate_cols != cache.up_cols:
+        if gate is not None and cache.gate_cols:
             raise PairedCacheError(
-                f"SparseMLP needs a gate with as many columns as up, got gate_cols="
-                f"{cache.gate_cols}, up_cols={cache.up_cols}"
+                "gate= is for a cache whose pool holds no gate; this one has gate_cols="
+                f"{cache.gate_cols}"
+            )
+        gate_weight = cache.gate_pool if gate is None else gate
+        if gate_weight is None or tuple(gate_weight.shape) != (cache.n_rows, cache.up_cols):
+            got = "none" if gate_weight is None else tuple(gate_weight.shape)
+            raise PairedCacheError(
+                f"SparseMLP needs a gate of shape (N, up_cols) = ({cache.n_rows}, "
+                f"{cache.up_cols}) in the cache's pool or as gate=, got {got}"
             )
         check_window(window)
         if in_place:
@@ -91,7 +102,14 @@ class SparseMLP(nn.Module):
                 f"the cache keeps no gate rows (gate_rows=False) but mask source "
                 f"{type(source).__name__} does not return act(gate x)"
             )
+        if gate is not None and not source.gives_gate:
+            raise PairedCacheError(
+                f"the cache's pool holds no gate (converted with gate=False) but mask source "
+                f"{type(source).__name__} does not return act(gate x): convert the pool with "
+                f"its gate, or use a source that computes it (cats, the gated predictor)"
+            )
         self.cache, self.act_fn, self.source, self.window = cache, act, source, window
+        self.gate_weight = gate_weight  # (N, up_cols): the pool's gate block or the given gate
         self.in_place, self.prefill = in_place, prefill
         # Called before a dense prefill reads every row: from_pool_file sets it to ask
         # for the layer's whole pool at once.
@@ -202,12 +220,14 @@ class SparseMLP(nn.Module):
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
         mapping and only the active rows (window_capacity rows) are anonymous memory.
 
-        gate: (N, gate_cols) of the pool's dtype, the gate weights the mask source scores
+        gate: (N, up_cols) of the pool's dtype, the gate weights the mask source scores
         with instead of the pool's strided gate block, e.g. gate_proj.weight mapped from the
         model's safetensors (load_sparse passes it). The gate block of a bundled pool shares
         its pages with the up and down rows, so a source that computes act(gate x) for
         every row would touch every page of the pool each token; a contiguous gate touches
-        only its own, and the pool is then read for the rows an update adds.
+        only its own, and the pool is then read for the rows an update adds. Required when
+        the pool file holds no gate (converted with gate=False); the source must then
+        compute act(gate x) itself.
 
         rows: "copy" (the paired-replacement cache: the active rows are anonymous copies,
         updated by the rows that change) or "in_place" (no active rows: each token gathers
@@ -224,9 +244,16 @@ class SparseMLP(nn.Module):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
         index = pool_file.resolve(layer)
         spec = pool_file.layers[index]
+        gate_cols = spec.gate_cols or spec.up_cols  # a gate-less pool's gate is up-sized
+        if gate is None and spec.gate_cols == 0:
+            raise PairedCacheError(
+                f"{spec.name}: the pool file holds no gate (converted with gate=False); pass "
+                f"gate=, the ({spec.n_rows}, {spec.up_cols}) gate_proj weight (load_sparse maps "
+                f"it from the model's safetensors)"
+            )
         if gate is not None and (
             not isinstance(gate, torch.Tensor)
-            or gate.shape != (spec.n_rows, spec.gate_cols)
+            or gate.shape != (spec.n_rows, gate_cols)
             or gate.dtype != pool_file.dtype
         ):
             got = (
@@ -235,7 +262,7 @@ class SparseMLP(nn.Module):
                 else type(gate).__name__
             )
             raise PairedCacheError(
-                f"gate for {spec.name} must be a ({spec.n_rows}, {spec.gate_cols}) "
+                f"gate for {spec.name} must be a ({spec.n_rows}, {gate_cols}) "
                 f"{pool_file.dtype} tensor, got {got}"
             )
         capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
@@ -248,11 +275,20 @@ class SparseMLP(nn.Module):
             index,
             capacity=capacity,
             config=config,
-            gate_rows=not source_class(source).gives_gate_for(**options),
+            # A gate-less pool has no gate for the active rows to leave out.
+            gate_rows=spec.gate_cols == 0 or not source_class(source).gives_gate_for(**options),
         )
-        gate = cache.gate_pool if gate is None else gate
-        src = make_source(source, gate, cache.up_pool, act, fraction, calibration, **options)
-        sparse = cls(cache, act, src, window, in_place=in_place, prefill=prefill)
+        scored = cache.gate_pool if gate is None else gate
+        src = make_source(source, scored, cache.up_pool, act, fraction, calibration, **options)
+        sparse = cls(
+            cache,
+            act,
+            src,
+            window,
+            in_place=in_place,
+            prefill=prefill,
+            gate=gate if spec.gate_cols == 0 else None,
+        )
         sparse._will_read_pool = functools.partial(pool_file.will_need, index)
         return sparse
 
@@ -333,10 +369,11 @@ class SparseMLP(nn.Module):
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden) over every row, read where it lies in the pool:
         gate, up and down from the pool's rows (they share pages, so the pool's gate block
-        costs no read that up and down do not make)."""
+        costs no read that up and down do not make), or the given gate when the pool holds
+        none."""
         if self._will_read_pool is not None:
             self._will_read_pool()
-        h = self.act_fn(F.linear(x, self.cache.gate_pool)) * F.linear(x, self.cache.up_pool)
+        h = self.act_fn(F.linear(x, self.gate_weight)) * F.linear(x, self.cache.up_pool)
         if self.in_place:
             self.pool_rows_read += self.cache.n_rows
         return h @ self.cache.down_pool_T

@@ -1,7 +1,8 @@
 """paired-cache row: SmolLM2-135M with every MLP a SparseMLP at 50% active rows, run from storage.
 
-The MLPs' neuron pools live in a pool file (``paired-cache convert``, made once by the
-PREPARE step and kept under ``$MEMBOUND_CACHE``), mapped read-only; ``load_sparse`` builds the
+The MLPs' neuron pools live in a pool file (``paired-cache convert --no-gate``: rows of up |
+down_T, the gate being read from the safetensors by the predictor; made once by the PREPARE
+step and kept under ``$MEMBOUND_CACHE``), mapped read-only; ``load_sparse`` builds the
 model without ever materialising the dense MLP weights, and every other weight is a view of
 the mapped safetensors. Each token's mask is the trained (gated) predictor's: the gate
 computed exactly from gate_proj mapped from the safetensors, up x predicted at rank 64, fitted by the PREPARE step
@@ -20,7 +21,9 @@ CALIBRATION_TOKENS = 16384
 
 
 def pool_path():
-    """The SmolLM2 pool file, written by ``paired_cache.model_io.convert`` on first use."""
+    """The SmolLM2 pool file, written by ``paired_cache.model_io.convert`` on first use
+    without the gate (the gated predictor computes act(gate x) from gate_proj mapped from
+    the safetensors, so rows of up | down_T are what a token reads)."""
     import paired_cache
     from membound_testing import smollm2_float_dir
     from paired_cache.model_io import convert
@@ -28,10 +31,10 @@ def pool_path():
 
     source = smollm2_float_dir()
     path = source.parent / (
-        f"{source.name}-paired-cache-{paired_cache.__version__}-v{FORMAT_VERSION}.pcpool"
+        f"{source.name}-paired-cache-{paired_cache.__version__}-v{FORMAT_VERSION}-nogate.pcpool"
     )
     if not path.is_file():
-        convert(source, path, progress=False)  # written atomically
+        convert(source, path, gate=False, progress=False)  # written atomically
     return path
 
 
@@ -80,7 +83,8 @@ def paired_cache_row(rows: str = "copy") -> Row:
         **gen.row_fields(),
         component="MLP weights resident (active rows)",
         resident_bytes=sum(m.cache.active_bytes for m in mlps),
-        unbounded_bytes=PoolFile(path).pool_bytes,
+        # Every MLP weight: the pool's up | down_T rows and the gate it leaves out.
+        unbounded_bytes=PoolFile(path).pool_bytes + sum(m.gate_weight.nbytes for m in mlps),
     )
 
 
