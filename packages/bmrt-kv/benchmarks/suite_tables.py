@@ -8,6 +8,8 @@ stand in both tables, marked as such.
 
     hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite_tables.py \\
         --bmrt suite_8k suite_8k_magicpig --kvpress kvpress_suite_8k --name side_by_side_8k
+
+Several results files of either (a run split by task over processes) are read as one.
 """
 
 from __future__ import annotations
@@ -126,7 +128,12 @@ def main(argv=None) -> None:
         default=["suite_8k"],
         help="results/<name>.json of suite.py; several are read as one (their rows joined)",
     )
-    parser.add_argument("--kvpress", default="kvpress_suite_8k", help="kvpress_baseline.py's")
+    parser.add_argument(
+        "--kvpress",
+        nargs="+",
+        default=["kvpress_suite_8k"],
+        help="results/<name>.json of kvpress_baseline.py; several are read as one",
+    )
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--name", default="side_by_side_8k")
     args = parser.parse_args(argv)
@@ -135,7 +142,11 @@ def main(argv=None) -> None:
     sources = " and ".join(
         f"results/{name}.json ({run['command']}; {run['notes']})" for name, run in runs.items()
     )
-    kvpress = json.loads((RESULTS / f"{args.kvpress}.json").read_text())
+    kv_runs = {n: json.loads((RESULTS / f"{n}.json").read_text()) for n in args.kvpress}
+    kvpress = {"rows": [row for run in kv_runs.values() for row in run["rows"]]}
+    kv_sources = " and ".join(
+        f"results/{n}.json ({run['command']}; {run['notes']})" for n, run in kv_runs.items()
+    )
     for mode in MODES:
         cells, tasks = collect(bmrt, kvpress, mode, args.tokens)
         write_result(
@@ -147,8 +158,7 @@ def main(argv=None) -> None:
             targets(cells, tasks, mode),
             command="hatch run bmrt-kv:python packages/bmrt-kv/benchmarks/suite_tables.py "
             + " ".join(sys.argv[1:] if argv is None else argv),
-            notes=f"From {sources} and "
-            f"results/{args.kvpress}.json ({kvpress['command']}; {kvpress['notes']}). The "
+            notes=f"From {sources} and {kv_sources}. The "
             "full cache row is kvpress's uncompressed prefill of the same samples. "
             f"bmrt-kv's defaults select with {BMRTConfig().selector}.",
         )
