@@ -18,6 +18,26 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _simd() -> str | None:
+    """The widest vector extension the CPU reports (/proc/cpuinfo flags). Float32 sums
+    round differently under AVX-512 and AVX2 kernels, and greedy answers that hinge on a
+    near-tie can differ between machines that share a CPU model name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+            else:
+                return None
+    except OSError:
+        return None
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
+        if flag in flags:
+            return name
+    return None
+
+
 def _mem_gib() -> float | None:
     try:
         pages = os.sysconf("SC_PHYS_PAGES")
@@ -31,6 +51,7 @@ def machine_info() -> dict:
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
+        "simd": _simd(),
         "cores": os.cpu_count(),
         "mem_gib": _mem_gib(),
         "os": f"{platform.system()} {platform.release()}",

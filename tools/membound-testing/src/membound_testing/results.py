@@ -33,8 +33,9 @@ def markdown_table(columns, rows) -> str:
 def render_result(result: dict, heading: str = "###") -> str:
     """The markdown section of one result: title, date and machine, table, targets, notes."""
     m = result.get("machine", {})
+    simd = f" ({m['simd']})" if m.get("simd") else ""
     stamp = (
-        f"{m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
+        f"{m.get('date', '?')}, {m.get('cpu', '?')}{simd}, {m.get('cores', '?')} cores, "
         f"{m.get('mem_gib', '?')} GiB"
     )
     lines = [f"{heading} {result['package']}: {result.get('title', result['benchmark'])}", ""]
