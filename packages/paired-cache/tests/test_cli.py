@@ -21,6 +21,7 @@ def test_help_shows_defaults_and_registry_choices(capsys):
     assert "(default: 0.5)" in out, out
     assert "{" + ",".join(sorted(MASK_SOURCES)) + "}" in out, out
     assert "(default: cats)" in out and "(default: 16)" in out
+    assert "{copy,in_place}" in out and "{sparse,dense}" in out, out
     with pytest.raises(SystemExit):
         build_parser().parse_args(["fit-predictor", "--help"])
     # One predictor file serves every --fraction of ask: fit-predictor takes none.

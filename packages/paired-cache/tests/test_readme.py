@@ -56,6 +56,6 @@ def test_python_then_shell_blocks_answer_paris(tmp_path, monkeypatch, capfd):
     assert len(shell) == 1
     result = run_shell(shell[0].code, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "Paris" in result.stdout, result.stdout
+    assert result.stdout.count("Paris") >= 2, result.stdout  # both asks, copy and in place
     # convert from the GGUF writes the pool that convert from the saved directory wrote.
     assert _sha256(tmp_path / "smollm2.pcpool") == from_directory

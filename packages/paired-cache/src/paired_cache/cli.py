@@ -16,6 +16,7 @@ from pathlib import Path
 
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import MASK_SOURCES
+from paired_cache.sparse_mlp import PREFILL_MODES, ROW_MODES
 from paired_cache.trained_predictor import KINDS
 
 PROG = "paired-cache"
@@ -78,7 +79,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.source == "trained" and args.predictor is None:
         raise PairedCacheError("--source trained needs --predictor FILE (from fit-predictor)")
     model = load_sparse(
-        args.model_dir, args.pool, args.source, args.fraction, window=args.window, **options
+        args.model_dir,
+        args.pool,
+        args.source,
+        args.fraction,
+        window=args.window,
+        rows=args.rows,
+        prefill=args.prefill,
+        **options,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
     if tokenizer.chat_template:
@@ -146,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--source", choices=sorted(MASK_SOURCES), default="cats", help="mask source")
     ask.add_argument("--fraction", type=float, default=0.5, help="share of active rows")
     ask.add_argument("--window", type=int, default=1, help="tokens whose rows stay resident")
+    ask.add_argument(
+        "--rows",
+        choices=ROW_MODES,
+        default="copy",
+        help="copy: the active rows cached and updated; in_place: multiplied where they lie "
+        "in the mapped pool (window 1)",
+    )
+    ask.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default="sparse",
+        help="the prompt token by token with its masks (sparse) or over every row (dense)",
+    )
     ask.add_argument("--predictor", help="the predictor file of --source trained")
     ask.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate")
     ask.set_defaults(func=cmd_ask)
