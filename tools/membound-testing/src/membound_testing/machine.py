@@ -19,9 +19,9 @@ def _cpu_model() -> str:
 
 
 def _simd() -> str | None:
-    """The widest vector extension the CPU reports (/proc/cpuinfo flags). Float32 sums
-    round differently under AVX-512 and AVX2 kernels, and greedy answers that hinge on a
-    near-tie can differ between machines that share a CPU model name."""
+    """The widest vector extension the CPU reports (/proc/cpuinfo flags): torch's float32
+    kernels differ by it, so sums can round differently on two machines that share a CPU
+    model name."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

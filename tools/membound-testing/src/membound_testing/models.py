@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -139,16 +140,57 @@ def _offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+# SmolLM2's tokenizer as transformers 5.23 and 5.24 convert it from the GGUF. transformers 5.2
+# (the kvpress environment's) converts it as a Llama SentencePiece tokenizer instead: eos
+# "<|im_start|>" and a "<|im_start|>" prepended to every encoded text, so a chat prompt
+# starts with two and generation does not stop at "<|im_end|>". Every environment must read
+# the one copy, or "the same samples" differ by environment (bmrt-kv against kvpress).
+SMOLLM2_EOS = "<|im_end|>"
+SMOLLM2_PROBE = ("Paris is big", [38634, 314, 2066])
+
+
+def check_smollm2_tokenizer(tokenizer, where) -> None:
+    """Raise unless ``tokenizer`` encodes as the canonical SmolLM2 tokenizer does."""
+    ids = tokenizer(SMOLLM2_PROBE[0]).input_ids
+    if tokenizer.eos_token != SMOLLM2_EOS or ids != SMOLLM2_PROBE[1]:
+        import transformers
+
+        raise RuntimeError(
+            f"{where}: SmolLM2's tokenizer (transformers {transformers.__version__}) has eos "
+            f"{tokenizer.eos_token!r} and encodes {SMOLLM2_PROBE[0]!r} as {ids}, not "
+            f"{SMOLLM2_EOS!r} and {SMOLLM2_PROBE[1]}: this transformers converts the GGUF's "
+            "tokenizer wrongly (5.2 does; 5.23 and 5.24 do not). Make the float copy from "
+            "the default environment first (`hatch run prepare`); this one then loads it"
+            + (f" (delete {where}, made by such an environment)" if Path(where).is_dir() else "")
+        )
+
+
+def _saved_eos(target: Path) -> str | None:
+    try:
+        return json.loads((target / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError):
+        return None
+
+
 def smollm2_float_dir() -> Path:
     """Directory of a float32 safetensors copy of SmolLM2-135M-Instruct, made on first use.
 
     The copy is written to a temporary directory and renamed into place, so an
-    interrupted first load never leaves a half-written copy behind.
+    interrupted first load never leaves a half-written copy behind. A copy whose tokenizer
+    is not the canonical one (SMOLLM2_EOS) is refused, and none is made by a transformers
+    that converts the tokenizer differently (check_smollm2_tokenizer).
     """
     gguf = smollm2_gguf_path()
     stat = gguf.stat()
     target = cache_dir() / f"smollm2-135m-instruct-f32-v{CACHE_FORMAT}-{stat.st_size}"
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        if _saved_eos(target) != SMOLLM2_EOS:
+            raise RuntimeError(
+                f"{target}: its tokenizer has eos {_saved_eos(target)!r}, not {SMOLLM2_EOS!r} "
+                "(made by a transformers that converts the GGUF's tokenizer wrongly, as 5.2 "
+                "does): delete it and make it again from the default environment (`hatch run "
+                "prepare`)"
+            )
         return target
     _offline()
     from safetensors.torch import save_model
@@ -158,6 +200,7 @@ def smollm2_float_dir() -> Path:
         str(gguf.parent), gguf_file=gguf.name, dtype="float32"
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_smollm2_tokenizer(tokenizer, str(gguf))  # before anything is written
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -198,6 +241,7 @@ def load_smollm2(dtype: str = "float32"):
     # Not AutoTokenizer: the saved config names transformers 5's TokenizersBackend, which
     # transformers 4.x cannot resolve; the fast tokenizer class loads the same files in both.
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    check_smollm2_tokenizer(tokenizer, str(path))
     return model, tokenizer
 
 
