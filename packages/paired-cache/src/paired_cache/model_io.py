@@ -302,7 +302,8 @@ def load_sparse(
     _add_read_ahead). The next layer's reads overlap this one's compute, and nothing else
     in the file is read ahead with them. ``read_ahead=False``: no hooks, the device's
     default read-ahead. Under the budget runner's tight profile (480 MiB, 200 MB/s)
-    SmolLM2's 50% in-place row read 567 MiB per generated token (0.11; README, "Under a
+    SmolLM2's 50% in-place row read 492 MiB per generated token from a pool without the
+    gate (convert(gate=False)), 567 MiB from one with it (0.12 and 0.11; README, "Under a
     hard memory limit").
     """
     from transformers import AutoConfig, AutoModelForCausalLM
