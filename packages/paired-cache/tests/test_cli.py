@@ -37,6 +37,23 @@ def test_an_unknown_source_is_an_argparse_error(capsys):
     assert "invalid choice: 'topk'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["lots", "-1", "1.5"])
+def test_ask_refuses_a_bad_keep_cached(capsys, bad):
+    with pytest.raises(SystemExit) as exit_:
+        main(["ask", "m", "p.pcpool", "hi", "--keep-cached", bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--keep-cached: 'auto', 'none' or a byte count >= 0, got {bad!r}" in err, err
+
+
+def test_ask_keep_cached_takes_auto_none_and_bytes():
+    parse = build_parser().parse_args
+    base = ["ask", "m", "p.pcpool", "hi"]
+    assert parse(base).keep_cached == "auto"
+    assert parse([*base, "--keep-cached", "none"]).keep_cached is None
+    assert parse([*base, "--keep-cached", "123"]).keep_cached == 123
+
+
 def _expect_error(argv, capsys, *needles):
     assert main(argv) == 2
     captured = capsys.readouterr()

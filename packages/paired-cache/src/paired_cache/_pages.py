@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import sys
+from pathlib import Path
+
+# MADV_PAGEOUT (Linux >= 5.4): reclaim the range's pages now. Python's mmap module does not
+# name it; madvise takes the number.
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)
 
 
 def _libc_mincore():
@@ -66,3 +73,82 @@ class MappedPages:
         start = begin - begin % mmap.PAGESIZE  # madvise takes a page-aligned start
         if end > start:
             self._mmap.madvise(mmap.MADV_WILLNEED, start, end - start)
+
+    def page_out_range(self, begin: int, end: int) -> bool:
+        """``MADV_PAGEOUT`` over the whole pages inside the file's bytes [begin, end): the
+        kernel drops them from the page cache now (clean file pages: nothing is written),
+        instead of evicting, later, pages that will be read again sooner. A page shared
+        with bytes outside the range is left alone. False where the kernel refuses
+        (before Linux 5.4) or the platform has no such advice."""
+        if MADV_PAGEOUT is None:
+            return False
+        page, size = mmap.PAGESIZE, len(self._mmap)
+        start = -(-begin // page) * page
+        # The file's last page is partial: a range that ends with the file takes it.
+        stop = size if end >= size else end // page * page
+        if stop <= start:
+            return True
+        try:
+            self._mmap.madvise(MADV_PAGEOUT, start, stop - start)
+        except OSError:
+            return False
+        return True
+
+
+def _memory_group() -> Path | None:
+    """This process's memory cgroup directory (v1 memory controller, else v2), or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            return group if (group / "memory.limit_in_bytes").exists() else None
+    for line in lines:
+        if line.startswith("0::"):
+            group = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+            return group if (group / "memory.max").exists() else None
+    return None
+
+
+def _read_stat(path: Path) -> dict[str, int]:
+    out = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def page_cache_room(group: str | os.PathLike | None = None) -> int | None:
+    """Bytes of page cache this process's memory cgroup leaves room for: the nearest hard
+    limit (the group's or an ancestor's; cgroup v1 ``memory.limit_in_bytes`` or v2
+    ``memory.max``) minus what that group holds besides file pages (anonymous memory,
+    kernel memory). None where no limit applies or it cannot be read. group: the group's
+    directory (for tests); default, this process's."""
+    start = Path(group) if group is not None else _memory_group()
+    node = start
+    while node is not None:
+        v2 = (node / "memory.max").exists()
+        try:
+            raw = (node / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        except OSError:
+            return None
+        if raw != "max" and int(raw) < 2**62:
+            try:
+                stat = _read_stat(node / "memory.stat")
+                if v2:
+                    usage = int((node / "memory.current").read_text())
+                    file_bytes = stat.get("file", 0)
+                else:
+                    usage = int((node / "memory.usage_in_bytes").read_text())
+                    file_bytes = stat.get("total_cache", stat.get("cache", 0))
+            except (OSError, ValueError):
+                return None
+            return int(raw) - (usage - file_bytes)
+        parent = node.parent
+        limit_file = "memory.max" if v2 else "memory.limit_in_bytes"
+        node = parent if parent != node and (parent / limit_file).exists() else None
+    return None

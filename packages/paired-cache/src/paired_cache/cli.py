@@ -86,6 +86,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         window=args.window,
         rows=args.rows,
         prefill=args.prefill,
+        keep_cached=args.keep_cached,
         **options,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
@@ -98,6 +99,18 @@ def cmd_ask(args: argparse.Namespace) -> int:
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
     print(tokenizer.decode(out[0, ids.shape[-1] :], skip_special_tokens=True))
     return 0
+
+
+def _keep_cached(text: str) -> int | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'auto', 'none' or a byte count >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PREFILL_MODES,
         default="sparse",
         help="the prompt token by token with its masks (sparse) or over every row (dense)",
+    )
+    ask.add_argument(
+        "--keep-cached",
+        type=_keep_cached,
+        default="auto",
+        help="bytes of what each token reads in full kept in the page cache between tokens, "
+        "the rest paged out after use: 'auto' (from the memory cgroup's limit; nothing "
+        "paged out without one), 'none' (the kernel decides) or a byte count",
     )
     ask.add_argument("--predictor", help="the predictor file of --source trained")
     ask.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate")

@@ -12,6 +12,7 @@ dense MLP weights are never materialised, and no weight becomes anonymous memory
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import mmap
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paired_cache._pages import MappedPages
+from paired_cache._pages import MappedPages, page_cache_room
 from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.pool_file import PoolFile, write_pool_file
@@ -280,6 +281,7 @@ def load_sparse(
     window: int = 1,
     rows: str = "copy",
     read_ahead: bool = True,
+    keep_cached: int | str | None = "auto",
     prefill: str = "sparse",
     **options,
 ):
@@ -298,19 +300,45 @@ def load_sparse(
     starts, the kernel is asked (``MADV_WILLNEED``) for the mapped tensors the next one
     reads in full (attention, the gate the mask source scores with; after the last layer
     the lm_head, after the lm_head the first layer's), and with ``rows="in_place"`` for
-    the next layer's whole pool; ranges that look cached are skipped (see
-    _add_read_ahead). The next layer's reads overlap this one's compute, and nothing else
-    in the file is read ahead with them. ``read_ahead=False``: no hooks, the device's
-    default read-ahead. Under the budget runner's tight profile (480 MiB, 200 MB/s)
-    SmolLM2's 50% in-place row read 492 MiB per generated token from a pool without the
-    gate (convert(gate=False)), 567 MiB from one with it (0.12 and 0.11; README, "Under a
-    hard memory limit").
+    the next layer's whole pool where keep_cached keeps it; ranges that look cached are
+    skipped (see _add_read_ahead). The next layer's reads overlap this one's compute, and
+    nothing else in the file is read ahead with them. ``read_ahead=False``: no read-ahead
+    hooks, the device's default read-ahead.
+
+    keep_cached: how many bytes of what each token reads in full from the mappings (the
+    ranges read_ahead asks for: attention, the gate, the lm_head, in place the pools) stay
+    in the page cache from one token to the next. A token reads them in the same order
+    every time; once they outgrow the page cache, the kernel's LRU evicts each page before
+    its next use, and every token reads all of them again. So some blocks are kept,
+    largest first (SmolLM2: the lm_head, then the layers in reading order), and every
+    other block's ranges are paged out (``MADV_PAGEOUT``) as soon as the block is done,
+    so they do not evict the kept ones. "auto" (the default): as many as fit in the room
+    the process's memory cgroup leaves for page cache (its hard limit minus what it holds
+    besides file pages), beside the two largest consecutive blocks not kept (one being
+    read, the next read ahead) and 4 MiB, decided again as each token starts; where no
+    limit applies, nothing is paged out. An int: that many bytes. None: leave the page
+    cache to the kernel. Nothing is pinned (no mlock): under a lower limit the kernel
+    still evicts kept pages, so the smallest hard limit the model runs under does not
+    move. In place, a layer whose pool is not kept has no whole-pool read-ahead: once the
+    token's mask is known it asks for the pages of the picked rows only
+    (``PoolFile.will_need_rows``; SmolLM2 at 50%: about 70% of the pool's pages). The
+    model's ``page_keeper`` (a PageKeeper) says which blocks it kept at the last token.
+    README, "Under a hard memory limit": what each of these saves under the budget
+    runner's tight profile.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from paired_cache.sparse_mlp import SparseMLP, check_prefill, guard_sparse_model, is_gated_mlp
 
     check_prefill(prefill)
+    if not (
+        keep_cached is None
+        or keep_cached == "auto"
+        or (isinstance(keep_cached, int) and not isinstance(keep_cached, bool) and keep_cached >= 0)
+    ):
+        raise PairedCacheError(
+            f"keep_cached must be 'auto', None or a byte count >= 0, got {keep_cached!r}"
+        )
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         # transformers would take a missing directory for a hub repo id and say so.
@@ -395,7 +423,7 @@ def load_sparse(
         raise PairedCacheError(f"{model_dir}: no weights for {left[:5]} ({len(left)} tensors)")
     model.eval()
     guard_sparse_model(model)
-    if read_ahead:
+    if read_ahead or keep_cached is not None:
         blocks = [_layer_block(model, name.rpartition(".")[0], where, used) for name in mlp_names]
         # In place, each token reads about half of every row's up | down_T part, scattered:
         # 4 KiB faults, one at a time. Asking for the layer's whole pool ahead reads more
@@ -405,7 +433,19 @@ def load_sparse(
             for i in range(len(mlp_names))
         ]
         head = _head_block(model, where, used)
-        _add_read_ahead(blocks + ([head] if head else []), [*pool_ranges, []])
+        blocks += [head] if head else []
+        extra = [*pool_ranges, []][: len(blocks)]
+        keeper = None
+        if keep_cached is not None:
+            keeper = model.page_keeper = PageKeeper(blocks, extra, keep_cached)
+            keeper.attach()
+            if rows == "in_place":
+                for i, name in enumerate(mlp_names):
+                    model.get_submodule(name).will_read_rows = functools.partial(
+                        keeper.read_rows, i, pools, i
+                    )
+        if read_ahead:
+            _add_read_ahead(blocks, extra, None if keeper is None else keeper.is_kept)
     return model
 
 
@@ -432,7 +472,88 @@ def _head_block(model: nn.Module, where, used: set[str]) -> Block | None:
     return (head, [(where[key], key)]) if key in used else None
 
 
-def _add_read_ahead(blocks: list[Block], extra=None) -> None:
+def _tensor_ranges(tensors) -> list[tuple[MappedPages, tuple[int, int]]]:
+    """(mapping, (begin, end)) ranges holding the (mapping, name) tensors, merged per file."""
+    by_map: dict[int, tuple[SafetensorsMap, list[str]]] = {}
+    for mapping, name in tensors:
+        by_map.setdefault(id(mapping), (mapping, []))[1].append(name)
+    return [(m, r) for m, names in by_map.values() for r in m.ranges(names)]
+
+
+class PageKeeper:
+    """load_sparse's keep_cached: of the ranges each block reads in full every token, some
+    blocks' stay cached and every other block's are paged out when the block is done.
+    Blocks are kept largest first (SmolLM2: the lm_head, then the layers in reading order),
+    as many as the budget takes, set as each token starts (the first block's forward
+    pre-hook). "auto" leaves room for the two largest consecutive blocks that are not kept
+    (one being read, the next read ahead) and MARGIN."""
+
+    MARGIN = 4 * 2**20
+
+    def __init__(self, blocks: list[Block], extra, keep: int | str) -> None:
+        self.modules = [module for module, _ in blocks]
+        self.ranges = [
+            _tensor_ranges(own) + more for (_, own), more in zip(blocks, extra, strict=True)
+        ]
+        self.sizes = [sum(end - begin for _, (begin, end) in r) for r in self.ranges]
+        self.order = sorted(range(len(blocks)), key=lambda i: (-self.sizes[i], i))
+        self.keep = keep
+        self.kept: set[int] = set(range(len(blocks)))  # the blocks kept cached this token
+        self.paged_out = 0  # bytes asked to be paged out, over the model's life
+
+    def _in_flight(self, kept: set[int]) -> int:
+        n = len(self.sizes)
+        return max(
+            (
+                self.sizes[i] + (self.sizes[(i + 1) % n] if (i + 1) % n not in kept else 0)
+                for i in range(n)
+                if i not in kept
+            ),
+            default=0,
+        )
+
+    def plan(self) -> None:
+        if self.keep == "auto":
+            room = page_cache_room()
+            if room is None:  # no limit: the page cache is the kernel's
+                self.kept = set(range(len(self.sizes)))
+                return
+        kept: set[int] = set()
+        total = 0
+        for i in self.order:
+            trial = kept | {i}
+            if self.keep == "auto":
+                fits = total + self.sizes[i] + self._in_flight(trial) + self.MARGIN <= room
+            else:
+                fits = total + self.sizes[i] <= int(self.keep)
+            if fits:
+                kept, total = trial, total + self.sizes[i]
+        self.kept = kept
+
+    def is_kept(self, i: int) -> bool:
+        return i in self.kept
+
+    def read_rows(self, block: int, pools: PoolFile, layer: int, rows: torch.Tensor) -> None:
+        """In place, a layer whose pool is not kept reads the token's picked rows only
+        (their pages, asked for once the mask is known); a kept one was read whole."""
+        if block not in self.kept:
+            pools.will_need_rows(layer, rows.numpy())
+
+    def done(self, i: int) -> None:
+        if i not in self.kept:
+            for mapping, (begin, end) in self.ranges[i]:
+                if mapping.page_out_range(begin, end):
+                    self.paged_out += end - begin
+
+    def attach(self) -> None:
+        if not self.modules:
+            return
+        self.modules[0].register_forward_pre_hook(lambda _m, _a: self.plan())
+        for i, module in enumerate(self.modules):
+            module.register_forward_hook(lambda _m, _a, _o, i=i: self.done(i))
+
+
+def _add_read_ahead(blocks: list[Block], extra=None, extra_wanted=None) -> None:
     """A forward pre-hook on each block asks for the next block's mapped tensors (the last
     block's, the head's, for the first block's: the next token starts there; the first
     block asks for its own too), so that their read overlaps this block's compute.
@@ -441,28 +562,36 @@ def _add_read_ahead(blocks: list[Block], extra=None) -> None:
     that do not look cached (``is_cached(sample=True)``) are asked for: asking for cached
     pages still walks them in the kernel (SmolLM2 under ample memory: 7 ms of a 47 ms
     token for 0.10's ~480 asks per token). extra[i]: more (mapping, (begin, end)) ranges
-    block i reads, asked for with its tensors (a pool file's layer, in place). The hooks
-    stay with the model, which load_sparse built."""
+    block i reads, asked for with its tensors (a pool file's layer, in place) where
+    extra_wanted(i) says so at that moment (None: always; load_sparse passes its
+    PageKeeper's is_kept: a layer not kept reads its picked rows only). The hooks stay
+    with the model, which load_sparse built."""
     extra = extra if extra is not None else [[] for _ in blocks]
 
-    def ranges(tensors):
-        by_map: dict[int, tuple[SafetensorsMap, list[str]]] = {}
-        for mapping, name in tensors:
-            by_map.setdefault(id(mapping), (mapping, []))[1].append(name)
-        return [(m, r) for m, names in by_map.values() for r in m.ranges(names)]
+    def tagged(j):  # block j's ranges: its tensors' (always) and its extra ones (tag j)
+        return [(m, r, None) for m, r in _tensor_ranges(blocks[j][1])] + [
+            (m, r, j) for m, r in extra[j]
+        ]
 
-    for i, (module, own) in enumerate(blocks):
+    for i, (module, _own) in enumerate(blocks):
         after = (i + 1) % len(blocks)
-        wanted = ranges(blocks[after][1]) + extra[after]
-        if i == 0:
-            wanted = ranges(own) + extra[0] + wanted
+        wanted = tagged(after) if i else tagged(0) + tagged(after)
 
         def ask(_module, _args, wanted=wanted) -> None:  # returns None: args unchanged
-            for mapping, (begin, end) in wanted:
+            for mapping, (begin, end), j in wanted:
+                if j is not None and extra_wanted is not None and not extra_wanted(j):
+                    continue
                 if not mapping.is_cached(begin, end, sample=True):
                     mapping.will_need_range(begin, end)
 
         module.register_forward_pre_hook(ask)
 
 
-__all__ = ["SafetensorsMap", "convert", "iter_mlp_weights", "load_sparse", "save_dense"]
+__all__ = [
+    "PageKeeper",
+    "SafetensorsMap",
+    "convert",
+    "iter_mlp_weights",
+    "load_sparse",
+    "save_dense",
+]

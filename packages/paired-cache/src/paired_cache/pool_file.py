@@ -287,6 +287,31 @@ class PoolFile(MappedPages):
         pass over every row would fault its pages in one at a time)."""
         self.will_need_range(*self.layer_range(i))
 
+    def row_runs(self, i: int | str, rows) -> list[tuple[int, int]]:
+        """(begin, end) byte ranges of the file covering layer i's ``rows`` (ascending row
+        indices), consecutive rows as one range and ranges less than a page apart merged
+        (they would read the pages between them anyway)."""
+        import numpy as np
+
+        layer = self.layers[self.resolve(i)]
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return []
+        begins = layer.offset + rows * layer.row_bytes
+        ends = begins + layer.row_bytes
+        # A new range wherever the gap to the previous row's end is a page or more.
+        breaks = np.flatnonzero(begins[1:] - ends[:-1] >= PAGE) + 1
+        starts = np.concatenate(([0], breaks))
+        stops = np.concatenate((breaks - 1, [rows.size - 1]))
+        return list(zip(begins[starts].tolist(), ends[stops].tolist(), strict=True))
+
+    def will_need_rows(self, i: int | str, rows) -> None:
+        """Ask the kernel for the pages of layer i's ``rows`` only (``MADV_WILLNEED`` per
+        range of row_runs): a token's picked rows, where reading the whole layer would
+        read the rows it did not pick too."""
+        for begin, end in self.row_runs(i, rows):
+            self.will_need_range(begin, end)
+
     def verify(self) -> None:
         """Hash every pool (reads the whole file); PairedCacheError naming a damaged one."""
         for i, layer in enumerate(self.layers):

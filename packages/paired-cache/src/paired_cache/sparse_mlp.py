@@ -114,6 +114,10 @@ class SparseMLP(nn.Module):
         # Called before a dense prefill reads every row: from_pool_file sets it to ask
         # for the layer's whole pool at once.
         self._will_read_pool = None
+        # In place: called with a token's picked rows (ascending indices) before they are
+        # read; load_sparse's PageKeeper sets it to ask for their pages where the layer's
+        # pool is not kept cached.
+        self.will_read_rows = None
         self._recent: deque[torch.Tensor] = deque(maxlen=window)
         self.tokens = 0
         self.pool_rows_read = 0
@@ -298,6 +302,8 @@ class SparseMLP(nn.Module):
         """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, read from the pool;
         gate: (N,) act(gate x) of the one token x when the mask source computed it."""
         idx = mask.nonzero().squeeze(1)  # (m,) ascending
+        if self.will_read_rows is not None:
+            self.will_read_rows(idx)
         if gate is not None and x.shape[0] == 1 and self.cache.dtype == torch.float32:
             # The C kernel: each picked row's up and down_T read once, where they lie.
             self.pool_rows_read += idx.numel()

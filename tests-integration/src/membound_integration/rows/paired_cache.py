@@ -10,7 +10,10 @@ on 16,384 tokens of Python's documentation and kept beside the pool. The paired-
 cache copies the chosen rows from the mapping into its active buffers (or, in place, the
 C kernel multiplies them where they lie). The prompt runs dense (every row at once); each
 generated token runs sparse. The bounded component is the MLP weight resident in those
-buffers.
+buffers. ``load_sparse``'s default ``keep_cached="auto"`` applies: under the runner's
+hard limit, what fits of what each token reads in full stays cached (SmolLM2 under
+``tight``: the lm_head), the rest is paged out after use, and in place a layer not kept
+reads its picked rows' pages only.
 """
 
 from membound_integration.row import QUESTION, Row, greedy_generate
