@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paired_cache import PairedCacheError
-from paired_cache._pages import page_cache_room
+from paired_cache._pages import memory_groups, page_cache_room
 from paired_cache.cli import main
 from paired_cache.model_io import PageKeeper, SafetensorsMap, load_sparse
 
@@ -106,6 +106,51 @@ def test_page_cache_room_is_the_limit_less_what_is_not_file_pages(tmp_path, vers
     assert page_cache_room(child) == 300 * MiB
     alone = _group(tmp_path / "u", version, unlimited, 10 * MiB, 0)
     assert page_cache_room(alone) is None
+    # A limit of its own that is looser than an ancestor's: the ancestor's room binds.
+    loose = _group(parent / "loose", version, str(2000 * MiB), 10 * MiB, 0)
+    assert page_cache_room(loose) == 300 * MiB
+    assert page_cache_room([loose, parent]) == 300 * MiB
+    assert page_cache_room([]) is None
+
+
+def _proc(tmp_path, cgroup: str, mountinfo: str):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo)
+    return proc
+
+
+def test_memory_groups_are_found_through_mountinfo(tmp_path):
+    # cgroup v1, the memory controller mounted somewhere unusual.
+    v1 = tmp_path / "cg" / "mem"
+    _group(v1 / "runner" / "job", 1, str(480 * MiB), 10 * MiB, 0)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    proc = _proc(
+        tmp_path,
+        "5:cpu,cpuacct:/runner/job\n4:memory:/runner/job\n",
+        f"30 25 0:27 / {v1} rw,nosuid - cgroup cgroup rw,memory\n"
+        f"31 25 0:28 / {tmp_path}/cpu rw - cgroup cgroup rw,cpu,cpuacct\n",
+    )
+    # The group and each group above it; "runner" has no files here, so it is left out.
+    assert memory_groups(proc) == [v1 / "runner" / "job", v1]
+    assert page_cache_room(memory_groups(proc)) == 470 * MiB
+
+
+def test_memory_groups_of_a_namespaced_v2_mount(tmp_path):
+    # cgroup v2 in a container: the mount's root is the process's own group, which
+    # /proc/self/cgroup shows as "/".
+    mount = tmp_path / "sys" / "fs" / "cgroup"
+    _group(mount, 2, str(256 * MiB), 100 * MiB, 40 * MiB)
+    proc = _proc(
+        tmp_path,
+        "0::/\n",
+        f"40 30 0:35 /kubepods/pod1/c1 {mount} rw - cgroup2 cgroup2 rw\n",
+    )
+    assert memory_groups(proc) == [mount]
+    assert page_cache_room(memory_groups(proc)) == (256 - 60) * MiB
+    # No cgroup files at all: no groups and no limit.
+    assert memory_groups(tmp_path / "nowhere") == []
 
 
 def _keeper(sizes: list[int], keep) -> PageKeeper:
@@ -113,6 +158,7 @@ def _keeper(sizes: list[int], keep) -> PageKeeper:
     keeper.sizes = sizes
     keeper.order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     keeper.keep = keep
+    keeper.groups = None
     return keeper
 
 
@@ -132,7 +178,11 @@ def test_plan_keeps_the_largest_blocks_that_fit(monkeypatch):
     import paired_cache.model_io as model_io
 
     room = {"bytes": 151 * MiB}
-    monkeypatch.setattr(model_io, "page_cache_room", lambda: room["bytes"])
+    lookups = []
+    monkeypatch.setattr(model_io, "memory_groups", lambda: lookups.append(1) or ["g"])
+    monkeypatch.setattr(
+        model_io, "page_cache_room", lambda groups: groups == ["g"] and room["bytes"]
+    )
     keeper.keep = "auto"
     keeper.plan()  # the head, and room for two layers in flight and the margin
     assert keeper.kept == {30}
@@ -147,6 +197,8 @@ def test_plan_keeps_the_largest_blocks_that_fit(monkeypatch):
     room["bytes"] = None
     keeper.plan()  # no limit: everything stays, nothing is paged out
     assert keeper.kept == set(range(31))
+    # The groups are looked up once; each token reads only their usage.
+    assert lookups == [1]
 
 
 @pytest.mark.parametrize("bad", ["lots", -1, True, 1.5])

@@ -95,22 +95,66 @@ class MappedPages:
         return True
 
 
-def _memory_group() -> Path | None:
-    """This process's memory cgroup directory (v1 memory controller, else v2), or None."""
+UNLIMITED = 1 << 62  # a cgroup v1 limit at or above this means none (the kernel writes ~2**63)
+
+
+def _cgroup_mounts(mountinfo: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(cgroup v1 memory mounts, cgroup v2 mounts), each as (root in the hierarchy, mount
+    point), from the text of /proc/self/mountinfo.
+
+    The same reading as zstd-linear's ``sysmem._mounts``: the packages install separately
+    and share no runtime dependency, so each carries its own copy."""
+    v1, v2 = [], []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        after = line.split(" - ", 1)[1].split()
+        if not after:
+            continue
+        root, point = fields[3], fields[4].replace("\\040", " ")
+        if after[0] == "cgroup2":
+            v2.append((root, point))
+        elif after[0] == "cgroup" and "memory" in (after[-1].split(",") if len(after) > 2 else []):
+            v1.append((root, point))
+    return v1, v2
+
+
+def _groups_up(point: str, root: str, path: str) -> list[Path]:
+    """The directories of the group at hierarchy ``path`` and of every group above it that
+    the mount (of hierarchy ``root`` at ``point``) shows, nearest first."""
+    rel = path
+    if root != "/" and (path == root or path.startswith(root.rstrip("/") + "/")):
+        rel = path[len(root) :]
+    elif root != "/":
+        rel = "/"  # a namespaced mount shows our group as its root
+    parts = [p for p in rel.split("/") if p]
+    return [Path(point, *parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def memory_groups(proc: str | os.PathLike = "/proc/self") -> list[Path]:
+    """This process's memory cgroup directories, its own group first, then every group
+    above it that is mounted (cgroup v1's memory controller and v2, found through
+    mountinfo, so a namespaced or non-standard mount is read where it is). Empty where
+    cgroups are not mounted."""
+    proc = Path(proc)
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        groups = (proc / "cgroup").read_text()
+        v1_mounts, v2_mounts = _cgroup_mounts((proc / "mountinfo").read_text())
     except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            return group if (group / "memory.limit_in_bytes").exists() else None
-    for line in lines:
-        if line.startswith("0::"):
-            group = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-            return group if (group / "memory.max").exists() else None
-    return None
+        return []
+    found: list[Path] = []
+    for line in groups.splitlines():
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":
+            mounts, file = v2_mounts, "memory.max"
+        elif "memory" in controllers.split(","):
+            mounts, file = v1_mounts, "memory.limit_in_bytes"
+        else:
+            continue
+        for root, point in mounts:
+            found += [d for d in _groups_up(point, root, path) if (d / file).exists()]
+    return found
 
 
 def _read_stat(path: Path) -> dict[str, int]:
@@ -122,33 +166,42 @@ def _read_stat(path: Path) -> dict[str, int]:
     return out
 
 
-def page_cache_room(group: str | os.PathLike | None = None) -> int | None:
-    """Bytes of page cache this process's memory cgroup leaves room for: the nearest hard
-    limit (the group's or an ancestor's; cgroup v1 ``memory.limit_in_bytes`` or v2
-    ``memory.max``) minus what that group holds besides file pages (anonymous memory,
-    kernel memory). None where no limit applies or it cannot be read. group: the group's
-    directory (for tests); default, this process's."""
-    start = Path(group) if group is not None else _memory_group()
-    node = start
-    while node is not None:
+def page_cache_room(groups=None) -> int | None:
+    """Bytes of page cache this process's memory cgroups leave room for: for every group
+    with a hard limit (cgroup v1 ``memory.limit_in_bytes`` or v2 ``memory.max``), the limit
+    minus what the group holds besides file pages (anonymous memory, kernel memory); the
+    smallest of these. None where no limit applies or one cannot be read.
+
+    groups: the group directories to read (:func:`memory_groups`' list, looked up once by
+    a caller that asks every token), or one directory and the groups above it whose
+    limit file exists (for tests); default, this process's."""
+    if groups is None:
+        groups = memory_groups()
+    elif isinstance(groups, str | os.PathLike):
+        groups = _with_ancestors(Path(groups))
+    rooms = []
+    for node in groups:
         v2 = (node / "memory.max").exists()
         try:
             raw = (node / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
-        except OSError:
+            if raw == "max" or int(raw) >= UNLIMITED:
+                continue
+            stat = _read_stat(node / "memory.stat")
+            if v2:
+                usage = int((node / "memory.current").read_text())
+                file_bytes = stat.get("file", 0)
+            else:
+                usage = int((node / "memory.usage_in_bytes").read_text())
+                file_bytes = stat.get("total_cache", stat.get("cache", 0))
+        except (OSError, ValueError):
             return None
-        if raw != "max" and int(raw) < 2**62:
-            try:
-                stat = _read_stat(node / "memory.stat")
-                if v2:
-                    usage = int((node / "memory.current").read_text())
-                    file_bytes = stat.get("file", 0)
-                else:
-                    usage = int((node / "memory.usage_in_bytes").read_text())
-                    file_bytes = stat.get("total_cache", stat.get("cache", 0))
-            except (OSError, ValueError):
-                return None
-            return int(raw) - (usage - file_bytes)
-        parent = node.parent
-        limit_file = "memory.max" if v2 else "memory.limit_in_bytes"
-        node = parent if parent != node and (parent / limit_file).exists() else None
-    return None
+        rooms.append(int(raw) - (usage - file_bytes))
+    return min(rooms) if rooms else None
+
+
+def _with_ancestors(group: Path) -> list[Path]:
+    limit_file = "memory.max" if (group / "memory.max").exists() else "memory.limit_in_bytes"
+    out = [group]
+    while out[-1].parent != out[-1] and (out[-1].parent / limit_file).exists():
+        out.append(out[-1].parent)
+    return out

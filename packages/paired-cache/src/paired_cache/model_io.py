@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paired_cache._pages import MappedPages, page_cache_room
+from paired_cache._pages import MappedPages, memory_groups, page_cache_room
 from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.pool_file import PoolFile, write_pool_file
@@ -486,7 +486,8 @@ class PageKeeper:
     Blocks are kept largest first (SmolLM2: the lm_head, then the layers in reading order),
     as many as the budget takes, set as each token starts (the first block's forward
     pre-hook). "auto" leaves room for the two largest consecutive blocks that are not kept
-    (one being read, the next read ahead) and MARGIN."""
+    (one being read, the next read ahead) and MARGIN, from the room the process's memory
+    cgroups leave for page cache (the groups looked up once, at the first token)."""
 
     MARGIN = 4 * 2**20
 
@@ -500,6 +501,7 @@ class PageKeeper:
         self.keep = keep
         self.kept: set[int] = set(range(len(blocks)))  # the blocks kept cached this token
         self.paged_out = 0  # bytes asked to be paged out, over the model's life
+        self.groups: list | None = None  # the process's memory cgroups, looked up once
 
     def _in_flight(self, kept: set[int]) -> int:
         n = len(self.sizes)
@@ -514,7 +516,9 @@ class PageKeeper:
 
     def plan(self) -> None:
         if self.keep == "auto":
-            room = page_cache_room()
+            if self.groups is None:
+                self.groups = memory_groups()
+            room = page_cache_room(self.groups)
             if room is None:  # no limit: the page cache is the kernel's
                 self.kept = set(range(len(self.sizes)))
                 return
