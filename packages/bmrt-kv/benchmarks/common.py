@@ -8,7 +8,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMAND = "hatch run bmrt-kv:bench"
 # These selectors ignore the queries: their scoring mode changes nothing.
-QUERY_FREE = {"streaming", "keydiff"}
+QUERY_FREE = {"streaming"}
 
 
 def add_run_flags(parser) -> None:

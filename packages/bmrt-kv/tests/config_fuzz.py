@@ -127,7 +127,10 @@ OPTION_SPECS = {
     },
     "h2o": {},
     "streaming": {},
-    "keydiff": {},
+    "keydiff": {
+        "question_share": lambda v: _fraction(v, low_open=False),
+        "kernel": lambda v: _int(v, 1, 1023, odd=True),
+    },
 }
 
 

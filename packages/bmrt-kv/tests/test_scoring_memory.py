@@ -102,9 +102,11 @@ def test_the_tracker_sees_a_large_temporary():
     assert full >= 2 * 1 * KV_HEADS * GROUPS * BLOCK * (BUDGET + BLOCK) * 4
 
 
+@pytest.mark.parametrize("n_question", [0, 24])
 @pytest.mark.parametrize("name", sorted(SELECTORS))
-def test_one_block_of_scoring_stays_within_the_pools_kv_bytes(name):
+def test_one_block_of_scoring_stays_within_the_pools_kv_bytes(name, n_question):
     pool, config = smollm2_pool()
+    pool.n_question = n_question  # query-aware: the block's last 24 queries are a question
     selector = make_selector(name)
     seen = int(pool.query_positions.max()) + 1
     # Twice the layer's own KV during the block (4.5 MiB), transient and one layer at a

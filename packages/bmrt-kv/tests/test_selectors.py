@@ -151,6 +151,58 @@ def test_keydiff_keeps_the_keys_that_differ_from_the_rest():
     assert sorted(picked[0, 1].tolist()) == [7, 12]
 
 
+def _keydiff_pool_with_a_question(n_question: int) -> Pool:
+    # Filler keys along one direction, outliers 7 and 12 elsewhere; the question's queries
+    # (the last n_question of each query head) point at filler token 15 alone.
+    pool = random_pool(6, p=20, t=6, n_protected=4)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(8, generator=gen)
+    pool.keys = base + 0.01 * torch.randn(1, 2, 20, 8, generator=gen)
+    pool.keys[..., 7, :] = -base
+    pool.keys[..., 12, :] = torch.randn(8, generator=gen)
+    orthogonal = torch.randn(8, generator=gen)
+    orthogonal -= (orthogonal @ base) / (base @ base) * base
+    pool.keys[..., 15, :] += 0.5 * orthogonal
+    queries = pool.queries.view(1, 2, 2, 6, 8).clone()
+    queries[..., :, :] = 0.0
+    queries[..., 6 - n_question :, :] = 40 * orthogonal
+    pool.queries = queries.reshape(1, 2, 12, 8)
+    pool.n_question = n_question
+    return pool
+
+
+def test_keydiff_gives_the_question_its_share_of_the_slots():
+    # Without a question, key difference alone: the two outliers.
+    assert sorted(
+        make_selector("keydiff").select(_keydiff_pool_with_a_question(0), 2)[0, 0].tolist()
+    ) == [7, 12]
+    # With one, half the slots go to what the question attends to (token 15 and its
+    # neighbours within kernel 1), the other half to the most different key.
+    pool = _keydiff_pool_with_a_question(2)
+    picked = make_selector("keydiff", {"kernel": 1}).select(pool, 2)
+    assert picked[0, 0, 0] == 15 and picked[0, 1, 0] == 15
+    assert int(picked[0, 0, 1]) in (7, 12)
+    # question_share=0: key difference alone, question or not.
+    alone = make_selector("keydiff", {"question_share": 0.0}).select(pool, 2)
+    assert sorted(alone[0, 0].tolist()) == [7, 12]
+    # question_share=1 (and shared heads): the question picks every slot.
+    every = make_selector("keydiff", {"question_share": 1.0, "kernel": 1}).select(pool, 1, True)
+    assert every[0, :, 0].tolist() == [15, 15]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"question_share": 1.5}, "option 'question_share' must be a number in \\[0, 1\\]"),
+        ({"question_share": True}, "option 'question_share' must be a number"),
+        ({"kernel": 4}, "option 'kernel'"),
+    ],
+)
+def test_keydiff_refuses_bad_options(options, match):
+    with pytest.raises(BMRTError, match=f"selector 'keydiff' {match}"):
+        make_selector("keydiff", options)
+
+
 def test_magicpig_falls_back_to_recent_tokens_when_nothing_collides():
     # With one 16-bit table no candidate can collide in >= 2 tables: all invalid.
     pool = random_pool(5, p=20, n_protected=0)

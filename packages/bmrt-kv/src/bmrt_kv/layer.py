@@ -143,6 +143,7 @@ class BMRTLayer(CacheLayerMixin):
             query_groups=groups,
             accumulated=self.accumulated,
             query_weights=weights,
+            n_question=n_scoring_only,
         )
 
     def _gather(self, index: torch.Tensor) -> None:

@@ -32,6 +32,8 @@ class Pool:
         accumulated: (b, h, P) float or None, attention each token received so far (H2O).
         query_weights: (Q,) float or None, how much each scoring query counts (None: 1
             each). Query-aware scoring gives the question as much weight as the block.
+        n_question: the question's queries per query head (query-aware scoring: the last
+            ``n_question`` of each head's ``Q // query_groups``); 0 without a question.
     """
 
     keys: torch.Tensor
@@ -42,6 +44,7 @@ class Pool:
     query_groups: int = 1
     accumulated: torch.Tensor | None = None
     query_weights: torch.Tensor | None = None
+    n_question: int = 0
 
 
 @dataclass(eq=False)
