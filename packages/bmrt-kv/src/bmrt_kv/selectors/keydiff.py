@@ -71,5 +71,7 @@ class KeyDiffSelector(Selector):
         first = top_k(pooled, eligible, k_question, shared)
         taken = torch.zeros_like(eligible)
         taken.scatter_(-1, first, True)
-        second = top_k(self.score(pool), eligible & ~taken, k - k_question, shared)
+        if exclude is not None:
+            taken |= exclude
+        second = super().select(pool, k - k_question, shared, taken)
         return torch.cat([first, second], dim=-1)
