@@ -99,6 +99,17 @@ const char *pc_core_info(void);
  * before out is written. Runs on the calling thread. */
 int pc_rows_mlp_f32(const pc_cache *cache, const float *x, const float *g, const int32_t *idx,
                     int64_t m, float *out);
+/* One token's rows for a gated MLP (pc_select.c): the k of n rows with the largest
+ *   score_i = |g[i]| * E|u_i|, u_i ~ Normal(up_mean[i], up_sd[i]^2)
+ * (score_i = |g[i]| when up_mean and up_sd are both NULL), ties to the lowest ids, NaN
+ * above +inf. Writes their ids ascending to idx[k] and g at them to g_at[k]. g: [n], act(gate x).
+ * PC_ERR_CONFIG for a NULL output, k outside [1, n] or only one of up_mean, up_sd;
+ * PC_ERR_NOMEM when its n-key workspace cannot be allocated; nothing is written then. */
+int pc_select_gated_f32(const float *g, const float *up_mean, const float *up_sd, int64_t n,
+                        int64_t k, int32_t *idx, float *g_at);
+/* out[i] = E|u_i|, u_i ~ Normal(mean[i], sd[i]^2), as pc_select_gated_f32 scores it
+ * (polynomial exp and erf, relative error below 5e-7; |mean| where sd is not > 0). */
+void pc_expected_abs_f32(const float *mean, const float *sd, int64_t n, float *out);
 /* cdef-end */
 
 void *pc_aligned_alloc(size_t bytes);

@@ -302,6 +302,57 @@ def test_read_ahead_asks_for_the_next_layer_in_ranges(model_dir, pool_path, fran
     assert asked == []
 
 
+@pytest.mark.parametrize("room", ["none", "ample", "tight"])
+def test_read_ahead_looks_at_a_cached_range_again_after_recheck_tokens_where_room_is_ample(
+    model_dir, pool_path, france, monkeypatch, room
+):
+    """Where keep_cached="auto" finds no memory limit, or one that leaves room for twice
+    what the blocks read, a range found cached is looked at again only RECHECK_TOKENS
+    tokens later (each look is three mincore calls, ~125 ranges a token on SmolLM2); a
+    range found missing is asked for and looked at every token. With less room (here every
+    block kept, but not twice over) every range is looked at every token."""
+    import paired_cache.model_io as model_io
+
+    looked: list[tuple[int, int]] = []
+    missing: set[tuple[int, int]] = set()
+
+    def is_cached(self, b, e, sample=False):
+        looked.append((b, e))
+        return (b, e) not in missing
+
+    rooms = {"none": None, "ample": 2**40}
+    monkeypatch.setattr(model_io, "page_cache_room", lambda groups: rooms[room])
+    monkeypatch.setattr(model_io, "memory_groups", lambda: [])
+    monkeypatch.setattr(SafetensorsMap, "is_cached", is_cached)
+    monkeypatch.setattr(SafetensorsMap, "will_need_range", lambda self, b, e: None)
+    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    rooms["tight"] = int(1.5 * sum(model.page_keeper.sizes))
+    per_token, first = [], []
+    with torch.no_grad():
+        for token in range(model_io.RECHECK_TOKENS + 2):
+            looked.clear()
+            if token == 3:  # one range goes missing: the next look finds it (at 16)
+                missing.add(first[0])
+            model(france[:, :1])
+            per_token.append(len(looked))
+            first = first or looked[:1]
+    everything = per_token[0]
+    assert everything > 60  # SmolLM2: 3 ranges per layer, the lm_head, layer 0 twice
+    assert model.page_keeper.kept == set(range(len(model.page_keeper.sizes)))
+    assert model.page_keeper.roomy == (room != "tight")
+    if room == "tight":
+        assert per_token == [everything] * len(per_token)
+    else:
+        # Looked at on the first token, then not until RECHECK_TOKENS tokens later; the
+        # range that went missing (layer 0's first) is seen missing then and looked at on
+        # every token after, by both hooks that ask for layer 0 (its own, and the
+        # lm_head's for the next token), where a cached one is looked at once.
+        assert per_token == [everything] + [0] * (model_io.RECHECK_TOKENS - 1) + [
+            everything + 1,
+            2,
+        ]
+
+
 def test_in_place_read_ahead_asks_for_the_next_layers_pool(
     model_dir, pool_path, france, monkeypatch
 ):

@@ -18,7 +18,10 @@ from paired_cache.mask_sources import (
     LowRankPredictor,
     OracleTopK,
     active_rows,
+    expected_abs,
     make_source,
+    rows_mask,
+    top_k_rows,
 )
 from paired_cache.pool_file import PoolFile, write_pool_file
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
@@ -501,3 +504,89 @@ def test_load_sparse_and_sparsify_model_refuse_an_unknown_prefill_first(tmp_path
     assert isinstance(model.mlp, GatedMLP)  # nothing replaced
     (sparse,) = sparsify_model(model, "cats", 0.5, prefill="dense")
     assert sparse.prefill == "dense"
+
+
+def _torch_scores(gate, mean=None, sd=None):
+    scores = gate.abs().float()
+    return scores if mean is None else scores * expected_abs(mean, sd)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 600), seed=st.integers(0, 10_000), with_up=st.booleans(), data=st.data())
+def test_top_k_rows_picks_the_k_best_scored_rows_in_one_core_call(n, seed, with_up, data):
+    # The C core's selection (pc_select_gated_f32) against torch's scores: ids ascending,
+    # int32, gate at them, and no row left out scoring above a picked one (within the
+    # float32 rounding by which libm's exp and erf and torch's differ).
+    k = data.draw(st.integers(1, n))
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(n, generator=gen)
+    mean = torch.randn(n, generator=gen) if with_up else None
+    sd = (torch.rand(n, generator=gen) * (torch.rand(n, generator=gen) > 0.2)) if with_up else None
+    idx, at = top_k_rows(gate, k, mean, sd)
+    assert idx.dtype == torch.int32 and idx.shape == (k,)
+    assert bool((idx[1:] > idx[:-1]).all())
+    assert torch.equal(at, gate[idx.long()])
+    scores = _torch_scores(gate, mean, sd)
+    picked = rows_mask(idx, n)
+    if k < n:
+        assert float(scores[picked].min()) >= float(scores[~picked].max()) * (1 - 1e-6)
+
+
+def test_top_k_rows_breaks_ties_by_id_and_ranks_nan_first():
+    gate = torch.tensor([1.0, -1.0, 1.0, 0.5, 1.0])
+    assert top_k_rows(gate, 2)[0].tolist() == [0, 1]  # |gate| ties: the lowest ids
+    assert top_k_rows(gate, 4)[0].tolist() == [0, 1, 2, 4]
+    gate = torch.tensor([0.0, float("inf"), -0.0, float("nan"), 3.0])
+    idx, at = top_k_rows(gate, 1)
+    assert idx.tolist() == [3] and bool(at.isnan().all())  # as torch.topk ranks NaN
+    assert top_k_rows(gate, 3)[0].tolist() == [1, 3, 4]
+    assert top_k_rows(gate, 5)[0].tolist() == [0, 1, 2, 3, 4]  # -0 and 0 both taken
+
+
+def test_top_k_rows_scores_other_dtypes_in_torch():
+    # A bfloat16 gate is scored in torch (float32 scores): the same rows as the core picks
+    # for the same values in float32.
+    gen = torch.Generator().manual_seed(4)
+    gate = torch.randn(300, generator=gen).bfloat16()
+    mean, sd = torch.randn(300, generator=gen), torch.rand(300, generator=gen)
+    idx, at = top_k_rows(gate, 90, mean, sd)
+    assert at.dtype == torch.bfloat16 and torch.equal(at, gate[idx.long()])
+    assert torch.equal(idx, top_k_rows(gate.float(), 90, mean, sd)[0])
+
+
+@pytest.mark.parametrize("k", [0, 301, 2.0, True])
+def test_top_k_rows_refuses_a_bad_k_or_half_an_up_estimate(k):
+    gate = torch.randn(300)
+    with pytest.raises(PairedCacheError, match=r"k must be an int in \[1, 300\]"):
+        top_k_rows(gate, k)
+    with pytest.raises(PairedCacheError, match="both up_mean and up_sd, or neither"):
+        top_k_rows(gate, 3, torch.randn(300))
+
+
+@pytest.mark.parametrize(
+    "source, options",
+    [
+        ("cats", {}),
+        ("cats", {"threshold": 0.05}),
+        ("oracle", {}),
+        ("trained", {"kind": "gated"}),
+        ("trained", {"kind": "linear"}),
+    ],
+)
+def test_select_rows_are_the_rows_of_select_with_gate(source, options):
+    # The in-place path reads select_rows; the copy path select_with_gate: one mask.
+    mlp = GatedMLP(dtype=torch.float32, seed=5)
+    g, u = mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()
+    if source == "trained":
+        calibration = torch.randn(256, H, generator=torch.Generator().manual_seed(1))
+        config = TrainConfig(kind=options["kind"], rank=8)
+        options = {"weights": fit_predictor(g, u, mlp.act_fn, calibration, config)}
+    src = make_source(source, g, u, mlp.act_fn, 0.3, **options)
+    for seed in range(5):
+        x = torch.randn(H, generator=torch.Generator().manual_seed(seed))
+        mask, gate = src.select_with_gate(x)
+        idx, at = src.select_rows(x)
+        assert idx.dtype == torch.int32 and torch.equal(rows_mask(idx, N), mask)
+        assert (at is None) == (gate is None)
+        if gate is not None:
+            assert torch.equal(at, gate[idx.long()])

@@ -7,11 +7,13 @@ exactly k = round(fraction * N) rows set, so the cache's capacity is k.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
+from paired_cache._core import ffi, lib
 from paired_cache.errors import PairedCacheError
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -32,6 +34,69 @@ def _top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     mask = torch.zeros(scores.shape[0], dtype=torch.bool)
     mask[torch.topk(scores, k, sorted=False).indices] = True
     return mask
+
+
+def rows_mask(idx: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """(m,) row ids -> (n_rows,) bool with them set."""
+    mask = torch.zeros(n_rows, dtype=torch.bool)
+    mask[idx.long()] = True
+    return mask
+
+
+def expected_abs(mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    """E|u| for u ~ Normal(mean, sd^2), elementwise: sd sqrt(2/pi) exp(-z^2/2) + mean
+    erf(z/sqrt 2), z = mean/sd; |mean| where sd is 0."""
+    sd = sd.clamp_min(torch.finfo(sd.dtype).tiny)
+    z = mean / sd
+    return sd * math.sqrt(2 / math.pi) * torch.exp(-0.5 * z * z) + mean * torch.erf(
+        z * (1 / math.sqrt(2))
+    )
+
+
+def top_k_rows(
+    gate: torch.Tensor,
+    k: int,
+    up_mean: torch.Tensor | None = None,
+    up_sd: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k rows with the largest |gate| * E|up x| (|gate| without up_mean and up_sd), up
+    x ~ Normal(up_mean, up_sd^2): their ids ascending, (k,) int32, and gate at them.
+
+    gate: (N,) act(gate x); up_mean, up_sd: (N,) float32 or both None. A float32 gate is
+    scored and selected by the C core in one call (pc_select_gated_f32: ties to the lowest
+    ids, NaN above +inf); in torch the same selection is some fifteen kernels, a top-k, a
+    mask and a nonzero, each a few microseconds of dispatch, about a tenth of a decoding
+    layer's time. Other dtypes are scored in torch (float32 scores, torch.topk)."""
+    n = gate.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise PairedCacheError(f"top_k_rows: k must be an int in [1, {n}], got {k!r}")
+    if (up_mean is None) != (up_sd is None):
+        raise PairedCacheError("top_k_rows: give both up_mean and up_sd, or neither")
+    if gate.dtype != torch.float32:
+        scores = gate.abs().float()
+        if up_mean is not None:
+            scores = scores * expected_abs(up_mean, up_sd)
+        idx = _top_k_mask(scores, k).nonzero().squeeze(1)
+        return idx.to(torch.int32), gate[idx]
+    gate = gate.contiguous()
+    idx = torch.empty(k, dtype=torch.int32)
+    at = torch.empty(k, dtype=torch.float32)
+    mean = sd = ffi.NULL
+    if up_mean is not None:
+        up_mean, up_sd = up_mean.contiguous(), up_sd.contiguous()
+        mean, sd = (ffi.cast("float *", t.data_ptr()) for t in (up_mean, up_sd))
+    rc = lib.pc_select_gated_f32(
+        ffi.cast("float *", gate.data_ptr()),
+        mean,
+        sd,
+        n,
+        k,
+        ffi.cast("int32_t *", idx.data_ptr()),
+        ffi.cast("float *", at.data_ptr()),
+    )
+    if rc != lib.PC_OK:
+        raise PairedCacheError(f"selecting {k} of {n} rows failed in the C core (code {rc})")
+    return idx, at
 
 
 class MaskSource(ABC):
@@ -66,6 +131,14 @@ class MaskSource(ABC):
         for its scores (CATS, the gated trained predictor), else None: SparseMLP then
         reads only the up rows of the active set instead of computing the gate twice."""
         return self.select(x), None
+
+    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows select_with_gate(x) picks, as ids ascending ((m,) int32), and act(gate
+        x) at them when the source computed it, else None: what SparseMLP's in-place path
+        reads, without a mask in between where the source can skip it."""
+        mask, gate = self.select_with_gate(x)
+        idx = mask.nonzero().squeeze(1)
+        return idx.to(torch.int32), None if gate is None else gate[idx]
 
     @classmethod
     def build(
@@ -132,14 +205,19 @@ class CatsMask(MaskSource):
 
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
-        scores = gate.abs().float()
         if self.threshold is None:
-            return _top_k_mask(scores, self.k), gate
+            return rows_mask(top_k_rows(gate, self.k)[0], self.n_rows), gate
+        scores = gate.abs().float()
         mask = scores >= self.threshold
         count = int(mask.sum())
         if count > self.k:  # more than the cache holds: the k strongest of them
             return _top_k_mask(scores, self.k), gate
         return (mask if count else _top_k_mask(scores, 1)), gate
+
+    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.threshold is not None:
+            return super().select_rows(x)
+        return top_k_rows(self.act(self.gate @ x.to(self.gate.dtype)), self.k)
 
 
 class LowRankPredictor(MaskSource):
@@ -282,8 +360,11 @@ __all__ = [
     "MaskSource",
     "OracleTopK",
     "active_rows",
+    "expected_abs",
     "make_source",
+    "rows_mask",
     "source_class",
+    "top_k_rows",
 ]
 
 # "trained" (the Deja Vu predictor) registers itself; its module builds on this one.

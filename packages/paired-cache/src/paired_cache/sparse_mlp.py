@@ -297,25 +297,25 @@ class SparseMLP(nn.Module):
         return sparse
 
     def _in_place_forward(
-        self, x: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None
+        self, x: torch.Tensor, idx: torch.Tensor, gate_at: torch.Tensor | None
     ) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, read from the pool;
-        gate: (N,) act(gate x) of the one token x when the mask source computed it."""
-        idx = mask.nonzero().squeeze(1)  # (m,) ascending
+        """x: (T, hidden) -> (T, hidden) over the rows idx ((m,) int32, ascending), read
+        from the pool; gate_at: (m,) act(gate x) at those rows of the one token x, when the
+        mask source computed it."""
         if self.will_read_rows is not None:
             self.will_read_rows(idx)
-        if gate is not None and x.shape[0] == 1 and self.cache.dtype == torch.float32:
-            # The C kernel: each picked row's up and down_T read once, where they lie.
-            self.pool_rows_read += idx.numel()
-            return self.cache.rows_mlp(x[0], gate[idx], idx.to(torch.int32)).unsqueeze(0)
-        up = self.cache.up_pool.index_select(0, idx)  # (m, up_cols)
-        if gate is None:
-            g = self.act_fn(F.linear(x, self.cache.gate_pool.index_select(0, idx)))  # (T, m)
-        else:
-            g = gate[idx]  # (m,)
-        h = g * F.linear(x, up)  # (T, m)
         self.pool_rows_read += idx.numel()
-        return h @ self.cache.down_pool_T.index_select(0, idx)  # (T, m) @ (m, hidden)
+        if gate_at is not None and x.shape[0] == 1 and self.cache.dtype == torch.float32:
+            # The C kernel: each picked row's up and down_T read once, where they lie.
+            return self.cache.rows_mlp(x[0], gate_at, idx).unsqueeze(0)
+        rows = idx.long()
+        up = self.cache.up_pool.index_select(0, rows)  # (m, up_cols)
+        if gate_at is None:
+            g = self.act_fn(F.linear(x, self.cache.gate_pool.index_select(0, rows)))  # (T, m)
+        else:
+            g = gate_at  # (m,)
+        h = g * F.linear(x, up)  # (T, m)
+        return h @ self.cache.down_pool_T.index_select(0, rows)  # (T, m) @ (m, hidden)
 
     def _active_forward(
         self,
@@ -352,7 +352,9 @@ class SparseMLP(nn.Module):
         """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, for T tokens that
         share it; gate: (N,) act(gate x) when the mask source computed it (T == 1)."""
         if self.in_place:
-            return self._in_place_forward(x, mask, gate)
+            idx = mask.nonzero().squeeze(1)  # (m,) ascending
+            at = None if gate is None else gate[idx]
+            return self._in_place_forward(x, idx.to(torch.int32), at)
         self._update(self._resident_mask(mask))
         keep = mask if self.window > 1 else None
         return self._active_forward(x, keep, gate)
@@ -391,10 +393,16 @@ class SparseMLP(nn.Module):
             out = self._dense_forward(flat)
         elif not self.source.per_token:
             out = self._rows_forward(flat, self.source.select(flat[0]), None)
+        elif self.in_place and flat.shape[0] == 1:  # decoding in place: no copy into out
+            out = self._in_place_forward(flat, *self.source.select_rows(flat[0]))
         else:
             out = torch.empty_like(flat)
             # One mask per token, as in decoding: a prompt runs token by token here.
             for t in range(flat.shape[0]):
+                if self.in_place:  # the picked rows' ids, no mask in between
+                    idx, gate_at = self.source.select_rows(flat[t])
+                    out[t] = self._in_place_forward(flat[t : t + 1], idx, gate_at)[0]
+                    continue
                 mask, gate = self.source.select_with_gate(flat[t])
                 out[t] = self._rows_forward(flat[t : t + 1], mask, gate)[0]
         self.tokens += flat.shape[0]

@@ -28,7 +28,6 @@ full-rank affine map fitted on 32,768 tokens recalls only 0.72 on them.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,14 @@ from pathlib import Path
 import torch
 
 from paired_cache.errors import PairedCacheError
-from paired_cache.mask_sources import Activation, MaskSource, _top_k_mask
+from paired_cache.mask_sources import (
+    Activation,
+    MaskSource,
+    _top_k_mask,
+    expected_abs,
+    rows_mask,
+    top_k_rows,
+)
 
 FORMAT = "paired-cache-predictor-1"  # linear predictors only, as 0.6-0.7 wrote
 FORMAT_GATED = "paired-cache-predictor-2"  # any gated predictor: 0.7 cannot read it
@@ -198,16 +204,6 @@ def fit_predictor(
     return fit.solve(config)
 
 
-def expected_abs(mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
-    """E|u| for u ~ Normal(mean, sd^2), elementwise: sd sqrt(2/pi) exp(-z^2/2) + mean
-    erf(z/sqrt 2), z = mean/sd; |mean| where sd is 0."""
-    sd = sd.clamp_min(torch.finfo(sd.dtype).tiny)
-    z = mean / sd
-    return sd * math.sqrt(2 / math.pi) * torch.exp(-0.5 * z * z) + mean * torch.erf(
-        z * (1 / math.sqrt(2))
-    )
-
-
 def predictor_kind(weights: dict[str, torch.Tensor]) -> str:
     """ "gated" or "linear", from the names of a predictor's weights."""
     for kind, parts in PARTS.items():
@@ -270,14 +266,23 @@ class TrainedPredictor(MaskSource):
     def select(self, x: torch.Tensor) -> torch.Tensor:
         return self.select_with_gate(x)[0]
 
+    def _gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated kind's act(gate x) (N,) and predicted up x (N,) float32."""
+        gate = self.act(self.gate @ x.to(self.gate.dtype))
+        return gate, (x.float() @ self.proj_in) @ self.proj_out
+
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.kind == "linear":
             logits = torch.addmv(self.bias, self.proj_out.T, x.float() @ self.proj_in)  # (N,)
             return _top_k_mask(logits, self.k), None
-        gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
-        up = (x.float() @ self.proj_in) @ self.proj_out  # (N,), u_hat
-        scores = gate.abs().float() * expected_abs(up, self.up_sd)
-        return _top_k_mask(scores, self.k), gate
+        gate, up = self._gate_and_up(x)
+        return rows_mask(top_k_rows(gate, self.k, up, self.up_sd)[0], self.n_rows), gate
+
+    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.kind == "linear":
+            return super().select_rows(x)
+        gate, up = self._gate_and_up(x)
+        return top_k_rows(gate, self.k, up, self.up_sd)
 
 
 def fit_predictors(

@@ -411,6 +411,121 @@ static void test_rows_mlp(int64_t n, int64_t gate, int64_t up, int64_t hidden, i
     free(pool);
 }
 
+/* pc_select_gated_f32. Without an up estimate (score |g|, exact) against a brute-force
+ * count: a row is picked iff fewer than k rows outrank it (a higher score, or an equal one
+ * and a lower id), with many ties (small integers), zeros of both signs, +inf and NaN
+ * (above +inf, as torch.topk ranks it). With one (E|u| by a polynomial exp and erf) against
+ * the exact E|u| in double: no row left out scores above a picked one by more than 1e-6.
+ * k = 1 and k = n; ids ascending with g at them; the refusals write nothing. */
+static double exact_score(const float *g, const float *mean, const float *sd, int64_t i) {
+    double s = fabs((double)g[i]);
+    if (mean == NULL) return s;
+    double m = mean[i], d = sd[i];
+    if (!(d > 0.0)) return s * fabs(m);
+    double z = m / d;
+    return s * (d * 0.79788456080286535588 * exp(-0.5 * z * z) + m * erf(z / sqrt(2.0)));
+}
+
+/* a outranks b: NaN above everything, then by value (-0 equals 0); slack: by more than
+ * that relative margin. */
+static int outranks(double a, double b, double slack) {
+    if (isnan(b)) return 0;
+    return isnan(a) || a > b * (1.0 + slack);
+}
+
+/* The scoring's E|u| against the exact value in double, over |mean/sd| from 0 to 40 and sd
+ * from 1e-3 to 1e3, signs both ways, and sd 0. */
+static void test_expected_abs(void) {
+    enum { N = 8001 };
+    static float mean[N], sd[N], out[N];
+    for (int64_t i = 0; i < N; i++) {
+        double z = (double)(i - N / 2) / 100.0; /* -40 .. 40 */
+        sd[i] = (float)pow(10.0, (double)(i % 7) - 3.0);
+        mean[i] = (float)(z * sd[i]);
+    }
+    sd[17] = 0.0f;
+    pc_expected_abs_f32(mean, sd, N, out);
+    double worst = 0.0;
+    for (int64_t i = 0; i < N; i++) {
+        double m = mean[i], d = sd[i], want = fabs(m);
+        if (d > 0.0) {
+            double z = m / d;
+            want = d * 0.79788456080286535588 * exp(-0.5 * z * z) + m * erf(z / sqrt(2.0));
+        }
+        double rel = fabs(out[i] - want) / want;
+        if (rel > worst) worst = rel;
+    }
+    CHECK(worst <= 5e-7, "expected_abs: relative error %g > 5e-7", worst);
+    CHECK(out[17] == fabsf(mean[17]), "expected_abs: sd 0 is not |mean|");
+}
+
+static void test_select_gated(int64_t n, int with_up, int ties) {
+    float *g = malloc((size_t)n * sizeof(float));
+    float *mean = malloc((size_t)n * sizeof(float));
+    float *sd = malloc((size_t)n * sizeof(float));
+    int32_t *idx = malloc((size_t)n * sizeof(int32_t));
+    float *g_at = malloc((size_t)n * sizeof(float));
+    double *score = malloc((size_t)n * sizeof(double));
+    uint8_t *picked = malloc((size_t)n);
+    for (int trial = 0; trial < 12; trial++) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t r = (int64_t)(next_u64() % 2001) - 1000;
+            g[i] = ties ? (float)(r % 4) : (float)r / 997.0f;
+            if (trial % 3 == 1 && i % 7 == 3) g[i] = -0.0f;
+            if (trial % 3 == 2 && i == n / 2) g[i] = NAN;
+            if (trial % 3 == 2 && i == n / 3 && n > 3) g[i] = INFINITY;
+            /* |mean/sd| from 0 to beyond 13 (e^(-z^2/2) down to the clamp), sd 0 too */
+            mean[i] = (float)((int64_t)(next_u64() % 2001) - 1000) / 500.0f;
+            sd[i] = (i % 5 == 0) ? 0.0f : (float)(next_u64() % 1000 + 1) / 800.0f;
+            if (i % 11 == 4) sd[i] /= 64.0f;
+        }
+        const float *m = with_up ? mean : NULL, *s = with_up ? sd : NULL;
+        for (int64_t i = 0; i < n; i++) score[i] = exact_score(g, m, s, i);
+        int64_t k = trial == 0 ? 1 : trial == 1 ? n : 1 + (int64_t)(next_u64() % (uint64_t)n);
+        for (int64_t i = 0; i < k; i++) idx[i] = -1;
+        CHECK(pc_select_gated_f32(g, m, s, n, k, idx, g_at) == PC_OK, "select n=%lld k=%lld",
+              (long long)n, (long long)k);
+        memset(picked, 0, (size_t)n);
+        for (int64_t j = 0; j < k; j++) {
+            CHECK(idx[j] >= 0 && idx[j] < n && (j == 0 || idx[j] > idx[j - 1]),
+                  "select: ids not ascending in [0, n) at %lld", (long long)j);
+            if (idx[j] < 0 || idx[j] >= n) continue;
+            picked[idx[j]] = 1;
+            CHECK(g_at[j] == g[idx[j]] || (isnan(g_at[j]) && isnan(g[idx[j]])), "select: g_at %lld",
+                  (long long)j);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            if (!with_up) { /* exact: the brute-force count decides */
+                int64_t above = 0;
+                for (int64_t j = 0; j < n; j++)
+                    above += outranks(score[j], score[i], 0.0) ||
+                             (!outranks(score[i], score[j], 0.0) && j < i);
+                CHECK(picked[i] == (above < k), "select n=%lld k=%lld: row %lld %s", (long long)n,
+                      (long long)k, (long long)i, picked[i] ? "picked" : "missed");
+            } else if (!picked[i]) { /* within the polynomials' rounding */
+                for (int64_t j = 0; j < n; j++)
+                    CHECK(!picked[j] || !outranks(score[i], score[j], 1e-6),
+                          "select n=%lld k=%lld: row %lld (%g) left out, row %lld (%g) picked",
+                          (long long)n, (long long)k, (long long)i, score[i], (long long)j,
+                          score[j]);
+            }
+        }
+    }
+    idx[0] = -7;
+    CHECK(pc_select_gated_f32(g, mean, sd, n, 0, idx, g_at) == PC_ERR_CONFIG, "k 0 accepted");
+    CHECK(pc_select_gated_f32(g, mean, sd, n, n + 1, idx, g_at) == PC_ERR_CONFIG, "k n+1 accepted");
+    CHECK(pc_select_gated_f32(g, mean, NULL, n, 1, idx, g_at) == PC_ERR_CONFIG, "no sd accepted");
+    CHECK(pc_select_gated_f32(g, NULL, NULL, n, 1, NULL, g_at) == PC_ERR_CONFIG, "NULL idx");
+    CHECK(idx[0] == -7, "a refused select wrote idx");
+    free(g);
+    free(mean);
+    free(sd);
+    free(idx);
+    free(g_at);
+    free(score);
+    free(picked);
+}
+
 int main(void) {
     test_config_errors();
     test_corruption_detected();
@@ -420,6 +535,13 @@ int main(void) {
     test_rows_mlp(64, 16, 16, 16, 1);
     test_rows_mlp(9, 5, 5, 3, 1);
     test_rows_mlp(200, 64, 64, 72, 0);
+    test_expected_abs();
+    for (int with_up = 0; with_up < 2; with_up++) {
+        test_select_gated(1, with_up, 0);
+        test_select_gated(97, with_up, 0);
+        test_select_gated(300, with_up, 1);
+        test_select_gated(700, with_up, 0);
+    }
     const int64_t elems[4] = {8, 4, 2, 1};
     for (int e = 0; e < 4; e++) {
         for (int mapped = 0; mapped < 2; mapped++) {
