@@ -512,17 +512,23 @@ def _torch_scores(gate, mean=None, sd=None):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 600), seed=st.integers(0, 10_000), with_up=st.booleans(), data=st.data())
-def test_top_k_rows_picks_the_k_best_scored_rows_in_one_core_call(n, seed, with_up, data):
-    # The C core's selection (pc_select_gated_f32) against torch's scores: ids ascending,
-    # int32, gate at them, and no row left out scoring above a picked one (within the
-    # float32 rounding by which libm's exp and erf and torch's differ).
+@given(
+    n=st.integers(1, 600),
+    seed=st.integers(0, 10_000),
+    with_up=st.booleans(),
+    core=st.booleans(),
+    data=st.data(),
+)
+def test_top_k_rows_picks_the_k_best_scored_rows(n, seed, with_up, core, data):
+    # Torch's selection and the C core's (pc_select_gated_f32) against torch's scores: ids
+    # ascending, int32, gate at them, and no row left out scoring above a picked one (within
+    # the float32 rounding by which the core's polynomial exp and erf and torch's differ).
     k = data.draw(st.integers(1, n))
     gen = torch.Generator().manual_seed(seed)
     gate = torch.randn(n, generator=gen)
     mean = torch.randn(n, generator=gen) if with_up else None
     sd = (torch.rand(n, generator=gen) * (torch.rand(n, generator=gen) > 0.2)) if with_up else None
-    idx, at = top_k_rows(gate, k, mean, sd)
+    idx, at = top_k_rows(gate, k, mean, sd, core=core)
     assert idx.dtype == torch.int32 and idx.shape == (k,)
     assert bool((idx[1:] > idx[:-1]).all())
     assert torch.equal(at, gate[idx.long()])
@@ -532,26 +538,26 @@ def test_top_k_rows_picks_the_k_best_scored_rows_in_one_core_call(n, seed, with_
         assert float(scores[picked].min()) >= float(scores[~picked].max()) * (1 - 1e-6)
 
 
-def test_top_k_rows_breaks_ties_by_id_and_ranks_nan_first():
+def test_top_k_rows_in_the_core_breaks_ties_by_id_and_ranks_nan_first():
     gate = torch.tensor([1.0, -1.0, 1.0, 0.5, 1.0])
-    assert top_k_rows(gate, 2)[0].tolist() == [0, 1]  # |gate| ties: the lowest ids
-    assert top_k_rows(gate, 4)[0].tolist() == [0, 1, 2, 4]
+    assert top_k_rows(gate, 2, core=True)[0].tolist() == [0, 1]  # |gate| ties: the lowest ids
+    assert top_k_rows(gate, 4, core=True)[0].tolist() == [0, 1, 2, 4]
     gate = torch.tensor([0.0, float("inf"), -0.0, float("nan"), 3.0])
-    idx, at = top_k_rows(gate, 1)
+    idx, at = top_k_rows(gate, 1, core=True)
     assert idx.tolist() == [3] and bool(at.isnan().all())  # as torch.topk ranks NaN
-    assert top_k_rows(gate, 3)[0].tolist() == [1, 3, 4]
-    assert top_k_rows(gate, 5)[0].tolist() == [0, 1, 2, 3, 4]  # -0 and 0 both taken
+    assert top_k_rows(gate, 3, core=True)[0].tolist() == [1, 3, 4]
+    assert top_k_rows(gate, 5, core=True)[0].tolist() == [0, 1, 2, 3, 4]  # -0 and 0 both taken
 
 
 def test_top_k_rows_scores_other_dtypes_in_torch():
-    # A bfloat16 gate is scored in torch (float32 scores): the same rows as the core picks
-    # for the same values in float32.
+    # A bfloat16 gate is scored in torch (float32 scores), even with core=True: the same
+    # rows as the core picks for the same values in float32.
     gen = torch.Generator().manual_seed(4)
     gate = torch.randn(300, generator=gen).bfloat16()
     mean, sd = torch.randn(300, generator=gen), torch.rand(300, generator=gen)
-    idx, at = top_k_rows(gate, 90, mean, sd)
+    idx, at = top_k_rows(gate, 90, mean, sd, core=True)
     assert at.dtype == torch.bfloat16 and torch.equal(at, gate[idx.long()])
-    assert torch.equal(idx, top_k_rows(gate.float(), 90, mean, sd)[0])
+    assert torch.equal(idx, top_k_rows(gate.float(), 90, mean, sd, core=True)[0])
 
 
 @pytest.mark.parametrize("k", [0, 301, 2.0, True])

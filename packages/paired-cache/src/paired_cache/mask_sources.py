@@ -58,21 +58,25 @@ def top_k_rows(
     k: int,
     up_mean: torch.Tensor | None = None,
     up_sd: torch.Tensor | None = None,
+    *,
+    core: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k rows with the largest |gate| * E|up x| (|gate| without up_mean and up_sd), up
     x ~ Normal(up_mean, up_sd^2): their ids ascending, (k,) int32, and gate at them.
 
-    gate: (N,) act(gate x); up_mean, up_sd: (N,) float32 or both None. A float32 gate is
-    scored and selected by the C core in one call (pc_select_gated_f32: ties to the lowest
-    ids, NaN above +inf); in torch the same selection is some fifteen kernels, a top-k, a
-    mask and a nonzero, each a few microseconds of dispatch, about a tenth of a decoding
-    layer's time. Other dtypes are scored in torch (float32 scores, torch.topk)."""
+    gate: (N,) act(gate x); up_mean, up_sd: (N,) float32 or both None. Scored in torch
+    (float32 scores, torch.topk). core=True, with a float32 gate: scored and selected by
+    the C core in one call (pc_select_gated_f32: ties to the lowest ids, NaN above +inf),
+    ~14 µs instead of ~40-80 on SmolLM2's N = 1536 and the same rows. Not the default:
+    with it, the in-place model decoded 3x slower under the budget runner's mid profile
+    (900 MiB), reading 26 MiB a token from storage instead of 5, for a reason not found
+    yet (README, "Where a sparse token's time goes")."""
     n = gate.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise PairedCacheError(f"top_k_rows: k must be an int in [1, {n}], got {k!r}")
     if (up_mean is None) != (up_sd is None):
         raise PairedCacheError("top_k_rows: give both up_mean and up_sd, or neither")
-    if gate.dtype != torch.float32:
+    if not core or gate.dtype != torch.float32:
         scores = gate.abs().float()
         if up_mean is not None:
             scores = scores * expected_abs(up_mean, up_sd)
