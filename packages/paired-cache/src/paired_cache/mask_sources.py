@@ -209,9 +209,9 @@ class CatsMask(MaskSource):
 
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
-        if self.threshold is None:
-            return rows_mask(top_k_rows(gate, self.k)[0], self.n_rows), gate
         scores = gate.abs().float()
+        if self.threshold is None:
+            return _top_k_mask(scores, self.k), gate
         mask = scores >= self.threshold
         count = int(mask.sum())
         if count > self.k:  # more than the cache holds: the k strongest of them

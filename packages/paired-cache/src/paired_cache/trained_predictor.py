@@ -40,7 +40,6 @@ from paired_cache.mask_sources import (
     MaskSource,
     _top_k_mask,
     expected_abs,
-    rows_mask,
     top_k_rows,
 )
 
@@ -276,7 +275,7 @@ class TrainedPredictor(MaskSource):
             logits = torch.addmv(self.bias, self.proj_out.T, x.float() @ self.proj_in)  # (N,)
             return _top_k_mask(logits, self.k), None
         gate, up = self._gate_and_up(x)
-        return rows_mask(top_k_rows(gate, self.k, up, self.up_sd)[0], self.n_rows), gate
+        return _top_k_mask(gate.abs().float() * expected_abs(up, self.up_sd), self.k), gate
 
     def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.kind == "linear":
