@@ -43,6 +43,15 @@ def rows_mask(idx: torch.Tensor, n_rows: int) -> torch.Tensor:
     return mask
 
 
+def mask_rows(
+    mask: torch.Tensor, gate: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N,) bool mask, (N,) gate or None -> its rows' ids ascending ((m,) int32) and the
+    gate at them (None without one)."""
+    idx = mask.nonzero().squeeze(1)
+    return idx.to(torch.int32), None if gate is None else gate[idx]
+
+
 def expected_abs(mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
     """E|u| for u ~ Normal(mean, sd^2), elementwise: sd sqrt(2/pi) exp(-z^2/2) + mean
     erf(z/sqrt 2), z = mean/sd; |mean| where sd is 0."""
@@ -140,9 +149,7 @@ class MaskSource(ABC):
         """The rows select_with_gate(x) picks, as ids ascending ((m,) int32), and act(gate
         x) at them when the source computed it, else None: what SparseMLP's in-place path
         reads, without a mask in between where the source can skip it."""
-        mask, gate = self.select_with_gate(x)
-        idx = mask.nonzero().squeeze(1)
-        return idx.to(torch.int32), None if gate is None else gate[idx]
+        return mask_rows(*self.select_with_gate(x))
 
     @classmethod
     def build(
@@ -217,11 +224,6 @@ class CatsMask(MaskSource):
         if count > self.k:  # more than the cache holds: the k strongest of them
             return _top_k_mask(scores, self.k), gate
         return (mask if count else _top_k_mask(scores, 1)), gate
-
-    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.threshold is not None:
-            return super().select_rows(x)
-        return top_k_rows(self.act(self.gate @ x.to(self.gate.dtype)), self.k)
 
 
 class LowRankPredictor(MaskSource):
@@ -366,6 +368,7 @@ __all__ = [
     "active_rows",
     "expected_abs",
     "make_source",
+    "mask_rows",
     "rows_mask",
     "source_class",
     "top_k_rows",

@@ -18,6 +18,7 @@ from paired_cache.mask_sources import (
     MaskSource,
     active_rows,
     make_source,
+    mask_rows,
     source_class,
 )
 from paired_cache.pool_file import PoolFile
@@ -352,9 +353,7 @@ class SparseMLP(nn.Module):
         """x: (T, hidden) -> (T, hidden) over the rows of mask (N,) bool, for T tokens that
         share it; gate: (N,) act(gate x) when the mask source computed it (T == 1)."""
         if self.in_place:
-            idx = mask.nonzero().squeeze(1)  # (m,) ascending
-            at = None if gate is None else gate[idx]
-            return self._in_place_forward(x, idx.to(torch.int32), at)
+            return self._in_place_forward(x, *mask_rows(mask, gate))
         self._update(self._resident_mask(mask))
         keep = mask if self.window > 1 else None
         return self._active_forward(x, keep, gate)

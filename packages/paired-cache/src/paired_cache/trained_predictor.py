@@ -40,7 +40,6 @@ from paired_cache.mask_sources import (
     MaskSource,
     _top_k_mask,
     expected_abs,
-    top_k_rows,
 )
 
 FORMAT = "paired-cache-predictor-1"  # linear predictors only, as 0.6-0.7 wrote
@@ -276,12 +275,6 @@ class TrainedPredictor(MaskSource):
             return _top_k_mask(logits, self.k), None
         gate, up = self._gate_and_up(x)
         return _top_k_mask(gate.abs().float() * expected_abs(up, self.up_sd), self.k), gate
-
-    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.kind == "linear":
-            return super().select_rows(x)
-        gate, up = self._gate_and_up(x)
-        return top_k_rows(gate, self.k, up, self.up_sd)
 
 
 def fit_predictors(
