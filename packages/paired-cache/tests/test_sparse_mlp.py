@@ -596,3 +596,43 @@ def test_select_rows_are_the_rows_of_select_with_gate(source, options):
         assert (at is None) == (gate is None)
         if gate is not None:
             assert torch.equal(at, gate[idx.long()])
+
+
+def test_cats_threshold_keeps_the_rows_above_it_capped_at_k_and_at_least_one():
+    # act = identity, gate = diag(values): act(gate x) for x = ones is the values.
+    values = torch.tensor([0.9, -0.1, 0.5, 0.05, -0.7, 0.3])
+    gate = torch.diag(values)
+    src = make_source("cats", gate, gate.clone(), lambda t: t, 0.5, threshold=0.4)  # k = 3
+    x = torch.ones(6)
+    for rows in (src.select_rows(x)[0], src.select_with_gate(x)[0].nonzero().squeeze(1)):
+        assert rows.tolist() == [0, 2, 4]  # |value| >= 0.4: three, the cache's k
+    src = make_source("cats", gate, gate.clone(), lambda t: t, 0.5, threshold=0.2)
+    assert src.select_rows(x)[0].tolist() == [0, 2, 4]  # four above: the k = 3 strongest
+    src = make_source("cats", gate, gate.clone(), lambda t: t, 0.5, threshold=0.6)
+    idx, at = src.select_rows(x)
+    assert idx.tolist() == [0, 4] and torch.equal(at, values[[0, 4]])  # fewer than k: those
+    src = make_source("cats", gate, gate.clone(), lambda t: t, 0.5, threshold=5.0)
+    assert src.select_rows(x)[0].tolist() == [0]  # none above: the strongest one
+    assert src.select_with_gate(x)[0].nonzero().squeeze(1).tolist() == [0]
+
+
+@pytest.mark.parametrize("source", ["cats", "trained"])
+def test_sources_select_in_the_core_ties_to_the_lowest_ids(source):
+    # Rows whose scores tie exactly (identical gate rows) are picked lowest id first, on
+    # both the in-place (select_rows) and the copy path (select_with_gate): the sources
+    # select with the C core, whose order is fixed, not torch.topk's.
+    n, h = 12, 4
+    gate = torch.ones(n, h)
+    gate[1::3] *= 2.0  # rows 1, 4, 7, 10 score highest, the rest tie
+    options = {}
+    if source == "trained":
+        weights = {
+            "up_in": torch.zeros(h, 2),
+            "up_out": torch.zeros(2, n),
+            "up_sd": torch.ones(n),  # E|up x| the same for every row
+        }
+        options = {"weights": weights}
+    src = make_source(source, gate, gate.clone(), lambda t: t, 0.5, **options)  # k = 6
+    x = torch.ones(h)
+    assert src.select_rows(x)[0].tolist() == [0, 1, 2, 4, 7, 10]
+    assert src.select_with_gate(x)[0].nonzero().squeeze(1).tolist() == [0, 1, 2, 4, 7, 10]

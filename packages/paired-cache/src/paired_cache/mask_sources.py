@@ -68,18 +68,17 @@ def top_k_rows(
     up_mean: torch.Tensor | None = None,
     up_sd: torch.Tensor | None = None,
     *,
-    core: bool = False,
+    core: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k rows with the largest |gate| * E|up x| (|gate| without up_mean and up_sd), up
     x ~ Normal(up_mean, up_sd^2): their ids ascending, (k,) int32, and gate at them.
 
-    gate: (N,) act(gate x); up_mean, up_sd: (N,) float32 or both None. Scored in torch
-    (float32 scores, torch.topk). core=True, with a float32 gate: scored and selected by
-    the C core in one call (pc_select_gated_f32: ties to the lowest ids, NaN above +inf),
-    ~14 µs instead of ~40-80 on SmolLM2's N = 1536 and the same rows. Not the default:
-    with it, the in-place model decoded 3x slower under the budget runner's mid profile
-    (900 MiB), reading 26 MiB a token from storage instead of 5, for a reason not found
-    yet (README, "Where a sparse token's time goes")."""
+    gate: (N,) act(gate x); up_mean, up_sd: (N,) float32 or both None. With core=True (the
+    default) and a float32 gate, scored and selected by the C core in one call
+    (pc_select_gated_f32: ties to the lowest ids, NaN above +inf), ~14 µs instead of
+    ~40-80 in torch on SmolLM2's N = 1536, the same rows; otherwise scored in torch
+    (float32 scores, torch.topk), the reference the core is tested against. What CATS and
+    the gated trained predictor select with."""
     n = gate.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise PairedCacheError(f"top_k_rows: k must be an int in [1, {n}], got {k!r}")
@@ -216,14 +215,20 @@ class CatsMask(MaskSource):
 
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
-        scores = gate.abs().float()
-        if self.threshold is None:
-            return _top_k_mask(scores, self.k), gate
-        mask = scores >= self.threshold
-        count = int(mask.sum())
-        if count > self.k:  # more than the cache holds: the k strongest of them
-            return _top_k_mask(scores, self.k), gate
-        return (mask if count else _top_k_mask(scores, 1)), gate
+        return rows_mask(self._rows(gate)[0], self.n_rows), gate
+
+    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(self.act(self.gate @ x.to(self.gate.dtype)))
+
+    def _rows(self, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows (ids ascending, gate at them) this source keeps for act(gate x)."""
+        if self.threshold is not None:
+            above = (gate.abs().float() >= self.threshold).nonzero().squeeze(1)
+            if 0 < above.numel() <= self.k:
+                return above.to(torch.int32), gate[above]
+            # more than the cache holds (the k strongest), or none (the strongest one)
+            return top_k_rows(gate, self.k if above.numel() else 1)
+        return top_k_rows(gate, self.k)
 
 
 class LowRankPredictor(MaskSource):

@@ -40,6 +40,8 @@ from paired_cache.mask_sources import (
     MaskSource,
     _top_k_mask,
     expected_abs,
+    rows_mask,
+    top_k_rows,
 )
 
 FORMAT = "paired-cache-predictor-1"  # linear predictors only, as 0.6-0.7 wrote
@@ -274,7 +276,13 @@ class TrainedPredictor(MaskSource):
             logits = torch.addmv(self.bias, self.proj_out.T, x.float() @ self.proj_in)  # (N,)
             return _top_k_mask(logits, self.k), None
         gate, up = self._gate_and_up(x)
-        return _top_k_mask(gate.abs().float() * expected_abs(up, self.up_sd), self.k), gate
+        return rows_mask(top_k_rows(gate, self.k, up, self.up_sd)[0], self.n_rows), gate
+
+    def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.kind == "linear":
+            return super().select_rows(x)
+        gate, up = self._gate_and_up(x)
+        return top_k_rows(gate, self.k, up, self.up_sd)
 
 
 def fit_predictors(
