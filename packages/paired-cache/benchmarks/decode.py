@@ -111,14 +111,30 @@ def main(argv: list[str] | None = None) -> None:
             save_predictors(predictor, fit_predictors(dense, calibration))
         variants = {
             "dense (transformers, mmap'd safetensors)": lambda: dense,
-            "cats 50%": lambda: load_sparse(model_dir, pool, "cats", FRACTION),
-            "cats 50%, window 4": lambda: load_sparse(model_dir, pool, "cats", FRACTION, window=4),
+            "cats 50%": lambda: load_sparse(
+                model_dir, pool, "cats", FRACTION, rows="copy", prefill="sparse"
+            ),
+            "cats 50%, window 4": lambda: load_sparse(
+                model_dir, pool, "cats", FRACTION, window=4, prefill="sparse"
+            ),
             "trained 50%": lambda: load_sparse(
-                model_dir, pool, "trained", FRACTION, predictor=predictor
+                model_dir,
+                pool,
+                "trained",
+                FRACTION,
+                predictor=predictor,
+                rows="copy",
+                prefill="sparse",
             ),
             # No active rows: the C kernel multiplies each token's rows in the mapped pool.
             "trained 50%, rows in place": lambda: load_sparse(
-                model_dir, pool, "trained", FRACTION, predictor=predictor, rows="in_place"
+                model_dir,
+                pool,
+                "trained",
+                FRACTION,
+                predictor=predictor,
+                rows="in_place",
+                prefill="sparse",
             ),
         }
         models = {name: build() for name, build in variants.items()}

@@ -32,7 +32,7 @@ if source == "dense":
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype="float32").eval()
 else:
     from paired_cache.model_io import load_sparse
-    model = load_sparse(d, pool, source, fraction, window=window)
+    model = load_sparse(d, pool, source, fraction, window=window, rows="copy", prefill="sparse")
 ids = tok(chat_prompt(tok, "What is the capital of France?"), return_tensors="pt").input_ids
 with torch.no_grad():
     out = model.generate(ids, max_new_tokens=tokens, do_sample=False)

@@ -36,7 +36,15 @@ def main(quick: bool) -> None:
         rows = []
         for source in SOURCES:
             for window in WINDOWS[:2] if quick else WINDOWS:
-                model = load_sparse(model_dir, pool_path, source, FRACTION, window=window)
+                model = load_sparse(
+                    model_dir,
+                    pool_path,
+                    source,
+                    FRACTION,
+                    window=window,
+                    rows="copy",
+                    prefill="sparse",
+                )
                 mlps = [layer.mlp for layer in model.model.layers]
                 with torch.no_grad():
                     model(ids)

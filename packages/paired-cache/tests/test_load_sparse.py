@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from paired_cache import SparseMLP
+from paired_cache import PairedCacheError, SparseMLP
 from paired_cache.cli import main
 from paired_cache.model_io import SafetensorsMap, load_sparse
 from paired_cache.pool_file import PoolFile, mapping_rss
@@ -99,7 +99,7 @@ def test_convert_refuses_a_missing_source_and_writes_nothing(tmp_path, capsys):
 
 
 def test_full_fraction_matches_dense(smollm2, model_dir, pool_path, france):
-    model = load_sparse(model_dir, pool_path, "cats", 1.0)
+    model = load_sparse(model_dir, pool_path, "cats", 1.0, rows="copy", prefill="sparse")
     ids = france[:, :12]
     with torch.no_grad():
         dense = smollm2[0](ids).logits
@@ -111,7 +111,7 @@ def test_full_fraction_matches_dense(smollm2, model_dir, pool_path, france):
 
 
 def test_load_sparse_answers_from_mapped_files(smollm2, model_dir, pool_path, france):
-    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="copy", prefill="sparse")
     mlps = [layer.mlp for layer in model.model.layers]
     assert all(isinstance(m, SparseMLP) and m.cache.pool_is_mapped for m in mlps)
     # No dense MLP weight exists, and every parameter is a view of a mapped file.
@@ -140,8 +140,8 @@ def test_load_sparse_answers_from_mapped_files(smollm2, model_dir, pool_path, fr
 
 
 def test_load_sparse_in_place_keeps_no_active_rows(smollm2, model_dir, pool_path, france):
-    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="in_place")
-    copied = load_sparse(model_dir, pool_path, "cats", 0.5)
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="in_place", prefill="sparse")
+    copied = load_sparse(model_dir, pool_path, "cats", 0.5, rows="copy", prefill="sparse")
     mlps = [layer.mlp for layer in model.model.layers]
     assert all(m.in_place and m.cache.capacity == 1 for m in mlps)
     ids = france[:, :12]
@@ -256,7 +256,7 @@ def test_read_ahead_asks_for_the_next_layer_in_ranges(model_dir, pool_path, fran
         SafetensorsMap, "is_cached", lambda self, b, e, sample=False: cached["answer"]
     )
     monkeypatch.setattr(SafetensorsMap, "will_need_range", lambda self, b, e: asked.append((b, e)))
-    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="copy", prefill="sparse")
     assert all(any("rr" in f for f in _vm_flags(p)) for p in model_dir.glob("*.safetensors"))
     with torch.no_grad():
         model(france[:, :3])
@@ -295,7 +295,9 @@ def test_read_ahead_asks_for_the_next_layer_in_ranges(model_dir, pool_path, fran
         model(france[:, :3])
     assert asked == []  # everything looks cached: nothing asked for
 
-    model = load_sparse(model_dir, pool_path, "cats", 0.5, read_ahead=False)
+    model = load_sparse(
+        model_dir, pool_path, "cats", 0.5, rows="copy", prefill="sparse", read_ahead=False
+    )
     cached["answer"] = False
     with torch.no_grad():
         model(france[:, :3])
@@ -325,7 +327,7 @@ def test_read_ahead_looks_at_a_cached_range_again_after_recheck_tokens_where_roo
     monkeypatch.setattr(model_io, "memory_groups", lambda: [])
     monkeypatch.setattr(SafetensorsMap, "is_cached", is_cached)
     monkeypatch.setattr(SafetensorsMap, "will_need_range", lambda self, b, e: None)
-    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="copy", prefill="sparse")
     rooms["tight"] = int(1.5 * sum(model.page_keeper.sizes))
     per_token, first = [], []
     with torch.no_grad():
@@ -376,10 +378,25 @@ def test_in_place_read_ahead_asks_for_the_next_layers_pool(
     assert {n for n, _, _ in asked} == {"PoolFile", "SafetensorsMap"}
 
     asked.clear()
-    model = load_sparse(model_dir, pool_path, "cats", 0.5)  # rows="copy": no pool asks
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="copy")  # no pool asks
     with torch.no_grad():
         model(france[:, :1])
     assert asked and {n for n, _, _ in asked} == {"SafetensorsMap"}
+
+
+def test_load_sparse_defaults_to_in_place_rows_and_a_dense_prompt(model_dir, pool_path, france):
+    # Window 1 (the default): rows multiplied where they lie, no active rows, the prompt
+    # over every row; a window > 1 needs the paired-replacement cache, so it copies.
+    model = load_sparse(model_dir, pool_path, "cats", 0.5)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(m.in_place and m.cache.capacity == 1 and m.prefill == "dense" for m in mlps)
+    with torch.no_grad():
+        model(france[:, :5])  # a 5-token prompt: every row once, no mask
+    assert all(m.pool_rows_read == 1536 and m.cache.num_active == 0 for m in mlps)
+    windowed = load_sparse(model_dir, pool_path, "cats", 0.5, window=4)
+    assert all(not m.in_place and m.window == 4 for m in (ly.mlp for ly in windowed.model.layers))
+    with pytest.raises(PairedCacheError, match="in_place"):
+        load_sparse(model_dir, pool_path, "cats", 0.5, window=4, rows="in_place")
 
 
 def test_is_cached_sees_dropped_and_read_pages(tmp_path):
@@ -430,7 +447,9 @@ def test_trained_predictor_file_drives_load_sparse(model_dir, pool_path, france,
     out = tmp_path / "predictor.safetensors"
     args = ["fit-predictor", str(model_dir), str(text), str(out), "--rank", "8"]
     assert main([*args, "--quiet"]) == 0
-    model = load_sparse(model_dir, pool_path, "trained", 0.25, predictor=out)
+    model = load_sparse(
+        model_dir, pool_path, "trained", 0.25, rows="copy", prefill="sparse", predictor=out
+    )
     mlps = [layer.mlp for layer in model.model.layers]
     assert all(m.source.proj_in.shape == (576, 8) for m in mlps)
     # The predictor's weights stay in the file's read-only mapping, as the pool does, and

@@ -88,7 +88,9 @@ def test_the_package_save_path_round_trips_into_identical_logits(tmp_path):
     convert(tmp_path / "model", tmp_path / "model.pcpool", progress=False)
     sparse = copy.deepcopy(dense)
     sparsify_model(sparse, "cats", 0.5)
-    loaded = load_sparse(tmp_path / "model", tmp_path / "model.pcpool", "cats", 0.5)
+    loaded = load_sparse(
+        tmp_path / "model", tmp_path / "model.pcpool", "cats", 0.5, rows="copy", prefill="sparse"
+    )
     assert all(isinstance(layer.mlp, SparseMLP) for layer in loaded.model.layers)
     with torch.no_grad():
         want, got = sparse(IDS).logits, loaded(IDS).logits
@@ -116,7 +118,9 @@ def test_save_dense_writes_a_directory_load_sparse_reads(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o755
     assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o644
     convert(path, tmp_path / "model.pcpool", progress=False)
-    loaded = load_sparse(path, tmp_path / "model.pcpool", "cats", 1.0)
+    loaded = load_sparse(
+        path, tmp_path / "model.pcpool", "cats", 1.0, rows="copy", prefill="sparse"
+    )
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, dense(IDS).logits, rtol=0, atol=1e-5)
 

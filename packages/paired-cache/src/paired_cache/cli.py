@@ -170,15 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--rows",
         choices=ROW_MODES,
-        default="copy",
-        help="copy: the active rows cached and updated; in_place: multiplied where they lie "
-        "in the mapped pool (window 1)",
+        default=None,
+        help="in_place: multiplied where they lie in the mapped pool (window 1); copy: the "
+        "active rows cached and updated (any window). Default: in_place with --window 1, "
+        "copy otherwise",
     )
     ask.add_argument(
         "--prefill",
         choices=PREFILL_MODES,
-        default="sparse",
-        help="the prompt token by token with its masks (sparse) or over every row (dense)",
+        default="dense",
+        help="the prompt over every row at once (dense) or token by token with its masks (sparse)",
     )
     ask.add_argument(
         "--keep-cached",

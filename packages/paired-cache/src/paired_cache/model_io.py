@@ -279,10 +279,10 @@ def load_sparse(
     *,
     config: CacheConfig | None = None,
     window: int = 1,
-    rows: str = "copy",
+    rows: str | None = None,
     read_ahead: bool = True,
     keep_cached: int | str | None = "auto",
-    prefill: str = "sparse",
+    prefill: str = "dense",
     **options,
 ):
     """A transformers causal LM whose MLPs are SparseMLPs over the pool file's mapped pools
@@ -290,11 +290,14 @@ def load_sparse(
     and *.safetensors): nothing is copied into anonymous memory but the caches' active rows
     and what the mask sources build. source: a MASK_SOURCES name whose build needs no
     calibration inputs ("cats", "oracle", or "trained" with predictor=PATH, a file of
-    paired_cache.trained_predictor.save_predictors). rows: "copy" (the paired-replacement
-    cache of active rows, anonymous memory) or "in_place" (each token's rows gathered from
-    the mapped pool, no active rows kept; window 1): SparseMLP.from_pool_file. prefill:
-    "sparse" (a prompt's tokens each with its own mask) or "dense" (a prompt's MLPs over
-    every row at once; decoding stays sparse): SparseMLP.prefill.
+    paired_cache.trained_predictor.save_predictors). rows: "in_place" (each token's rows
+    multiplied where they lie in the mapped pool, no active rows kept; window 1) or "copy"
+    (the paired-replacement cache of active rows, anonymous memory; any window):
+    SparseMLP.from_pool_file. None (the default): "in_place" for window 1, else "copy".
+    In place is faster and fits a lower hard limit (README, "Under a hard memory limit");
+    copying is what a window > 1 needs. prefill: "dense" (the default: a prompt's MLPs
+    over every row at once, exact; decoding stays sparse) or "sparse" (a prompt's tokens
+    each with its own mask, as decoding): SparseMLP.prefill.
 
     read_ahead: the safetensors are mapped ``MADV_RANDOM`` and, as each decoder layer
     starts, the kernel is asked (``MADV_WILLNEED``) for the mapped tensors the next one
@@ -331,6 +334,8 @@ def load_sparse(
     from paired_cache.sparse_mlp import SparseMLP, check_prefill, guard_sparse_model, is_gated_mlp
 
     check_prefill(prefill)
+    if rows is None:
+        rows = "in_place" if window == 1 else "copy"
     if not (
         keep_cached is None
         or keep_cached == "auto"
