@@ -13,9 +13,17 @@ QUERY_FREE = {"streaming"}
 
 def add_run_flags(parser) -> None:
     """The flags passkey.py and suite.py share: threads, selector options, --append."""
+    from bmrt_kv.selectors.tiebreak import TIE_BREAKERS
+
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
         "--kernel", type=int, default=None, help="max-pool width for exact and snapkv (odd)"
+    )
+    parser.add_argument(
+        "--tie-breaker",
+        default=None,
+        choices=list(TIE_BREAKERS),
+        help="the lsh selector's tie-breaker (default: the selector's, l2)",
     )
     parser.add_argument(
         "--question-weight",
@@ -53,6 +61,8 @@ def run_config(args, selector: str, budget, scoring: str, block_size: int = 512)
     options = {}
     if args.kernel is not None and selector in ("exact", "snapkv"):
         options["kernel"] = args.kernel
+    if args.tie_breaker is not None and selector == "lsh":
+        options["tie_breaker"] = args.tie_breaker
     config = None
     if selector != "full":
         config = BMRTConfig(
@@ -67,7 +77,8 @@ def run_config(args, selector: str, budget, scoring: str, block_size: int = 512)
     weighted = scoring == "query_aware" and args.question_weight != 0.5 and selector != "snapkv"
     return (
         config,
-        selector + (f" (kernel {options['kernel']})" if options else ""),
+        selector
+        + "".join(f" ({k} {v})" if k == "kernel" else f" ({v})" for k, v in options.items()),
         scoring + (f" (question {args.question_weight})" if weighted else ""),
     )
 

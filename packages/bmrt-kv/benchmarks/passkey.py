@@ -123,6 +123,7 @@ def _write(name, args, argv, rows, load_start, earlier=None) -> None:
         f"selectors {args.selectors}, scorings {args.scorings}, block {args.block_size}"
         + (f", {args.multikey} keys per sample" if args.multikey else "")
         + (f", kernel {args.kernel}" if args.kernel is not None else "")
+        + (f", lsh tie-breaker {args.tie_breaker}" if args.tie_breaker is not None else "")
         + (f", question weight {args.question_weight}" if args.question_weight != 0.5 else "")
         + f". Peak RSS of the whole run {rss / 2**20:.0f} MiB. 1-minute load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the last row "

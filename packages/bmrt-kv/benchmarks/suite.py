@@ -98,6 +98,7 @@ def _write(args, argv, rows, load_start, earlier=None) -> None:
         f"budgets {args.budgets}, selectors {args.selectors}, scorings {args.scorings}, "
         f"seed {args.seed}; "
         + (f"kernel {args.kernel}, " if args.kernel is not None else "")
+        + (f"lsh tie-breaker {args.tie_breaker}, " if args.tie_breaker is not None else "")
         + (f"question weight {args.question_weight}, " if args.question_weight != 0.5 else "")
         + "other options at their defaults. Peak RSS of the run "
         f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
