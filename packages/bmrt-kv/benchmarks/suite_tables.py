@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from fractions import Fraction
 
 from common import QUERY_FREE, RESULTS, write_result
 
@@ -57,11 +58,12 @@ def collect(bmrt: dict, kvpress: dict, mode: str, tokens: int):
     return cells, list(dict.fromkeys(tasks))
 
 
-def mean(cell: dict, tasks: list[str]) -> float | None:
-    """Mean accuracy over ``tasks``; None unless every task ran."""
+def mean(cell: dict, tasks: list[str]) -> Fraction | None:
+    """Mean accuracy over ``tasks``, exact (two methods that tie compare equal, which float
+    sums of different fractions may not); None unless every task ran."""
     if any(t not in cell for t in tasks):
         return None
-    return sum(_fraction(cell[t])[0] / _fraction(cell[t])[1] for t in tasks) / len(tasks)
+    return sum((Fraction(*_fraction(cell[t])) for t in tasks), Fraction(0)) / len(tasks)
 
 
 def table(cells: dict, tasks: list[str]) -> list[list]:
@@ -73,7 +75,7 @@ def table(cells: dict, tasks: list[str]) -> list[list]:
     return [
         [method, budget]
         + [cell.get(t, "-") for t in tasks]
-        + ["-" if m is None else f"{100 * m:.1f}"]
+        + ["-" if m is None else f"{float(100 * m):.1f}"]
         for (method, budget), cell, m in scored
     ]
 
@@ -102,7 +104,7 @@ def targets(cells: dict, tasks: list[str], mode: str) -> list[dict]:
         out.append(
             {
                 "target": f"{mode}, B={budget}: {label} >= best kvpress press",
-                "measured": f"{mine} {100 * ours[mine]:.1f}% vs {best_kv} {100 * kv[best_kv]:.1f}%",
+                "measured": f"{mine} {float(100 * ours[mine]):.1f}% vs {best_kv} {float(100 * kv[best_kv]):.1f}%",
                 "met": ours[mine] >= kv[best_kv],
             }
         )
@@ -110,9 +112,9 @@ def targets(cells: dict, tasks: list[str], mode: str) -> list[dict]:
             out.append(
                 {
                     "target": "query_aware, B=1024: the defaults >= 90% of the full cache",
-                    "measured": f"{100 * ours[mine]:.1f}% vs full {100 * full:.1f}%"
-                    + (f" ({100 * ours[mine] / full:.0f}% of it)" if full else ""),
-                    "met": full > 0 and ours[mine] >= 0.9 * full,
+                    "measured": f"{float(100 * ours[mine]):.1f}% vs full {float(100 * full):.1f}%"
+                    + (f" ({float(100 * ours[mine] / full):.0f}% of it)" if full else ""),
+                    "met": full > 0 and ours[mine] >= Fraction(9, 10) * full,
                 }
             )
     return out
@@ -135,6 +137,13 @@ def main(argv=None) -> None:
         help="results/<name>.json of kvpress_baseline.py; several are read as one",
     )
     parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="only these tasks (e.g. the ones a cut-off run reached): the title says so",
+    )
     parser.add_argument("--name", default="side_by_side_8k")
     args = parser.parse_args(argv)
     runs = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in args.bmrt}
@@ -147,12 +156,20 @@ def main(argv=None) -> None:
     kv_sources = " and ".join(
         f"results/{n}.json ({run['command']}; {run['notes']})" for n, run in kv_runs.items()
     )
-    for mode in MODES:
+    for mode in args.modes:
         cells, tasks = collect(bmrt, kvpress, mode, args.tokens)
+        subset = ""
+        if args.tasks:
+            missing = [t for t in args.tasks if t not in tasks]
+            if missing:
+                raise SystemExit(f"--tasks: no {mode} rows for {missing} at {args.tokens} tokens")
+            subset = f", {len(args.tasks)} of the {len(tasks)} tasks"
+            tasks = [t for t in tasks if t in args.tasks]
         write_result(
             f"{args.name}_{mode}",
             f"Side by side, {mode.replace('_', '-')}: bmrt-kv and kvpress on the RULER-style "
-            f"suite at {args.tokens} tokens (correct / samples per task, mean over tasks %)",
+            f"suite at {args.tokens} tokens{subset} (correct / samples per task, mean over "
+            "tasks %)",
             ["method", "B", *tasks, "mean %"],
             table(cells, tasks),
             targets(cells, tasks, mode),
