@@ -115,11 +115,11 @@ def measure(method: str, tokens: int, budget: int, resolution: int) -> dict:
         # completes had the memory it needed. Its answer is kept all the same, since a
         # method can differ from itself run to run (see the module docstring).
         text = result.stdout.strip()
+        if not text:
+            return False, "no answer"
         if text == unlimited_answer:
             return True, "ok, same answer"
-        return bool(
-            text
-        ), f"ok, another answer: {text.splitlines()[-1][:40]!r}" if text else "no answer"
+        return True, f"ok, another answer: {text.splitlines()[-1][:40]!r}"
 
     hi = (first.peak_usage // MiB + 32) * MiB
     found = bisect_min_limit(passes, 64 * MiB, hi, resolution * MiB)
