@@ -26,6 +26,13 @@ def add_run_flags(parser) -> None:
         help="the lsh selector's tie-breaker (default: the selector's, l2)",
     )
     parser.add_argument(
+        "--question-share",
+        type=float,
+        default=None,
+        help="keydiff's question_share: the share of its slots the question picks under "
+        "query-aware scoring (default: the selector's, 0.5)",
+    )
+    parser.add_argument(
         "--question-weight",
         type=float,
         default=0.5,
@@ -63,6 +70,8 @@ def run_config(args, selector: str, budget, scoring: str, block_size: int = 512)
         options["kernel"] = args.kernel
     if args.tie_breaker is not None and selector == "lsh":
         options["tie_breaker"] = args.tie_breaker
+    if args.question_share is not None and selector == "keydiff":
+        options["question_share"] = args.question_share
     config = None
     if selector != "full":
         config = BMRTConfig(
@@ -78,7 +87,7 @@ def run_config(args, selector: str, budget, scoring: str, block_size: int = 512)
     return (
         config,
         selector
-        + "".join(f" ({k} {v})" if k == "kernel" else f" ({v})" for k, v in options.items()),
+        + "".join(f" ({v})" if k == "tie_breaker" else f" ({k} {v})" for k, v in options.items()),
         scoring + (f" (question {args.question_weight})" if weighted else ""),
     )
 

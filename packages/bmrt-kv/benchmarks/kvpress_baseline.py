@@ -23,7 +23,16 @@ the run unless every layer's kept keys and values are bitwise equal to the share
 
 Two modes (``--modes``): ``agnostic`` compresses the context alone and feeds the question
 after it, uncompressed; ``query_aware`` compresses the context with the question appended
-(kvpress's ``compress_questions``: the press sees the question) and answers from there.
+(kvpress's ``compress_questions``: the press sees the question) except the question's last
+token, which is then fed through the compressed cache to give the first answer token.
+
+That last token is what kvpress's pipeline always feeds after compression: it prefills
+through ``model.model`` (no logits at all) and gets the first answer token from a forward
+of ``question + question_suffix + answer_prefix`` over the compressed cache, at least one
+token even when the question sits in the context. Until bmrt-kv 0.7.4 this script decoded
+query-aware answers from the prefill's own last logits instead, i.e. the first answer
+token saw the whole uncompressed context, which no kvpress user gets (it decided the
+answer's format, e.g. ``: insect.`` against ``"insect"``, on the single-word task).
 ``--tasks`` runs the RULER-style suite (``bmrt_kv.suite``) instead of the pass key, and
 writes ``results/<name>.json`` with a task column.
 """
@@ -118,16 +127,14 @@ def cache_from(layers):
 
 
 @torch.inference_mode()
-def answer(model, tokenizer, cache, logits, n_positions: int, question, max_new_tokens: int):
-    """Feed ``question`` (ids, or None when the prefill already held it) at positions from
-    ``n_positions`` on, then decode greedily; returns the text."""
-    position = n_positions
-    if question is not None:
-        positions = torch.arange(position, position + question.shape[1]).unsqueeze(0)
-        logits = model(
-            input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1
-        ).logits
-        position += question.shape[1]
+def answer(model, tokenizer, cache, n_positions: int, question, max_new_tokens: int):
+    """Feed ``question`` (ids) at positions from ``n_positions`` on, then decode greedily;
+    returns the text."""
+    positions = torch.arange(n_positions, n_positions + question.shape[1]).unsqueeze(0)
+    logits = model(
+        input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1
+    ).logits
+    position = n_positions + question.shape[1]
     new: list[int] = []
     for _ in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
@@ -147,11 +154,13 @@ def answer(model, tokenizer, cache, logits, n_positions: int, question, max_new_
 def run_sample(model, tokenizer, sample, presses: list[str], budgets: list[int], mode: str):
     """Every press at every budget, and the full cache, on one sample in one mode; returns
     {(method, budget): (correct, kept tokens per layer, answer text)}."""
-    query_aware = mode == "query_aware"
-    text = sample.context + (sample.question if query_aware else "")
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    question = None
-    if not query_aware:
+    if mode == "query_aware":
+        # The press sees the question; its last token comes after compression, as the
+        # question suffix does in kvpress's pipeline (see the module docstring).
+        ids = tokenizer(sample.context + sample.question, return_tensors="pt").input_ids
+        ids, question = ids[:, :-1], ids[:, -1:]
+    else:
+        ids = tokenizer(sample.context, return_tensors="pt").input_ids
         question = tokenizer(sample.question, return_tensors="pt", add_special_tokens=False)
         question = question.input_ids
     n = ids.shape[1]
@@ -160,16 +169,14 @@ def run_sample(model, tokenizer, sample, presses: list[str], budgets: list[int],
         for name in presses
         for budget in budgets
     }
-    logits, full, kept = shared_prefill(model, ids, pairs)
+    _, full, kept = shared_prefill(model, ids, pairs)
     out = {}
     for (name, budget), layers in kept.items():
-        # Each pair decodes from the prefill's own last logits (query-aware) or feeds the
-        # question first (agnostic); its cache is its own.
-        text = answer(
-            model, tokenizer, cache_from(layers), logits, n, question, sample.max_new_tokens
-        )
+        # Each pair feeds the question (agnostic) or its last token (query-aware) through
+        # its own compressed cache before decoding.
+        text = answer(model, tokenizer, cache_from(layers), n, question, sample.max_new_tokens)
         out[(f"kvpress {name}", budget)] = (sample.correct(text), layers[0][0].shape[2], text)
-    text = answer(model, tokenizer, full, logits, n, question, sample.max_new_tokens)
+    text = answer(model, tokenizer, full, n, question, sample.max_new_tokens)
     out[("full", "-")] = (sample.correct(text), n, text)
     return out
 

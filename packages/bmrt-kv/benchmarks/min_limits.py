@@ -59,8 +59,8 @@ def child(method: str, tokens: int, budget: int) -> None:
         cache = DynamicCache()
         press = make_press(method.split(":", 1)[1], ratio_for(budget, ids.shape[1]))
         with torch.inference_mode(), press(model):
-            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
-        text = answer(model, tokenizer, cache, logits, ids.shape[1], question.input_ids, 8)
+            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        text = answer(model, tokenizer, cache, ids.shape[1], question.input_ids, 8)
     else:
         from bmrt_kv import BMRTConfig
         from bmrt_kv.evaluation import run_sample

@@ -100,6 +100,11 @@ def _write(args, argv, rows, load_start, earlier=None) -> None:
         + (f"kernel {args.kernel}, " if args.kernel is not None else "")
         + (f"lsh tie-breaker {args.tie_breaker}, " if args.tie_breaker is not None else "")
         + (f"question weight {args.question_weight}, " if args.question_weight != 0.5 else "")
+        + (
+            f"keydiff question share {args.question_share}, "
+            if args.question_share is not None
+            else ""
+        )
         + "other options at their defaults. Peak RSS of the run "
         f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the last row (2 cores): s/sample is context only.",
