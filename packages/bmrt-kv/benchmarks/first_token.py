@@ -1,9 +1,10 @@
 """Where a bounded cache loses a suite task: the answer, or only its first token?
 
 For each sample of one suite task, a :class:`~bmrt_kv.stream.BoundedStream` reads the
-context and the question, and the answer is decoded twice from the same state: freely
-(what ``suite.py`` scores) and with its first token forced to the full cache's first
-token (also computed here, on the same sample). A sample that fails freely but passes
+context and the question, and the answer is decoded twice, by two streams fed the same
+input (deterministic: the same state): freely (what ``suite.py`` scores) and with its
+first token forced to the full cache's first token (also computed here, on the same
+sample). A sample that fails freely but passes
 forced kept what the answer needs and lost only the choice of its first token, e.g. the
 single-word task's ``: insect.`` (the needle's own format, which the full cache copies)
 against ``"insect"``.
