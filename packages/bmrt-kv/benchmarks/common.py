@@ -33,6 +33,12 @@ def add_run_flags(parser) -> None:
         "query-aware scoring (default: the selector's, 0.5)",
     )
     parser.add_argument(
+        "--anchor",
+        default=None,
+        choices=["pool", "stream"],
+        help="keydiff's anchor: the mean key of the pool (default) or of the whole stream",
+    )
+    parser.add_argument(
         "--question-weight",
         type=float,
         default=0.5,
@@ -72,6 +78,8 @@ def run_config(args, selector: str, budget, scoring: str, block_size: int = 512)
         options["tie_breaker"] = args.tie_breaker
     if args.question_share is not None and selector == "keydiff":
         options["question_share"] = args.question_share
+    if args.anchor is not None and selector == "keydiff":
+        options["anchor"] = args.anchor
     config = None
     if selector != "full":
         config = BMRTConfig(

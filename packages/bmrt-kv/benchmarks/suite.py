@@ -105,6 +105,7 @@ def _write(args, argv, rows, load_start, earlier=None) -> None:
             if args.question_share is not None
             else ""
         )
+        + (f"keydiff anchor {args.anchor}, " if args.anchor is not None else "")
         + "other options at their defaults. Peak RSS of the run "
         f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the last row (2 cores): s/sample is context only.",

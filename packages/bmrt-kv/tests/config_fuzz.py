@@ -130,6 +130,7 @@ OPTION_SPECS = {
     "keydiff": {
         "question_share": lambda v: _fraction(v, low_open=False),
         "kernel": lambda v: _int(v, 1, 1023, odd=True),
+        "anchor": lambda v: _name(v, ("pool", "stream")),
     },
 }
 

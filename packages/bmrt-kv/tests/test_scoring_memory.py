@@ -78,6 +78,7 @@ def smollm2_pool(seen: int = 4096) -> tuple[Pool, BMRTConfig]:
         candidates=~protected_mask(positions, seen, config),
         query_groups=GROUPS,
         accumulated=torch.rand(1, KV_HEADS, pool_tokens, generator=g),
+        key_sum=torch.randn(1, KV_HEADS, HEAD_DIM, generator=g),
     )
     return pool, config
 
@@ -89,7 +90,7 @@ def kv_bytes(tokens: int) -> int:
 
 def peak_of(fn, pool: Pool) -> int:
     external = [pool.keys, pool.positions, pool.queries, pool.query_positions]
-    external += [pool.candidates, pool.accumulated]
+    external += [pool.candidates, pool.accumulated, pool.key_sum]
     with PeakTemporaries(external) as tracker:
         fn()
     return tracker.peak
@@ -103,11 +104,14 @@ def test_the_tracker_sees_a_large_temporary():
 
 
 @pytest.mark.parametrize("n_question", [0, 24])
-@pytest.mark.parametrize("name", sorted(SELECTORS))
-def test_one_block_of_scoring_stays_within_the_pools_kv_bytes(name, n_question):
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [(name, {}) for name in sorted(SELECTORS)] + [("keydiff", {"anchor": "stream"})],
+)
+def test_one_block_of_scoring_stays_within_the_pools_kv_bytes(name, options, n_question):
     pool, config = smollm2_pool()
     pool.n_question = n_question  # query-aware: the block's last 24 queries are a question
-    selector = make_selector(name)
+    selector = make_selector(name, options)
     seen = int(pool.query_positions.max()) + 1
     # Twice the layer's own KV during the block (4.5 MiB), transient and one layer at a
     # time: the KV a 1024-token budget saves on a 5.8k-token stream is 7 MiB per layer.

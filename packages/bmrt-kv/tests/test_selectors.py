@@ -10,9 +10,11 @@ from bmrt_kv import SELECTORS, TIE_BREAKERS, BMRTError, Pool, make_selector
 from bmrt_kv.selectors.simhash import SimHash, collision_counts
 from bmrt_kv.selectors.tiebreak import tiebreak_bonus
 
-SELECTOR_OPTIONS = [(name, {}) for name in SELECTORS] + [
-    ("lsh", {"tie_breaker": tb}) for tb in TIE_BREAKERS
-]
+SELECTOR_OPTIONS = (
+    [(name, {}) for name in SELECTORS]
+    + [("lsh", {"tie_breaker": tb}) for tb in TIE_BREAKERS]
+    + [("keydiff", {"anchor": "stream"})]
+)
 
 
 def random_pool(seed, b=1, h=2, p=24, t=5, groups=2, hd=8, n_protected=4):
@@ -29,6 +31,7 @@ def random_pool(seed, b=1, h=2, p=24, t=5, groups=2, hd=8, n_protected=4):
         candidates=candidates,
         query_groups=groups,
         accumulated=torch.rand(b, h, p, generator=gen),
+        key_sum=torch.randn(b, h, hd, generator=gen),
     )
 
 
@@ -151,6 +154,30 @@ def test_keydiff_keeps_the_keys_that_differ_from_the_rest():
     assert sorted(picked[0, 1].tolist()) == [7, 12]
 
 
+def test_keydiff_stream_anchor_compares_with_the_whole_streams_mean():
+    """At a small budget the kept keys are the ones that stood out, so they dominate the
+    pool's own mean; the stream's mean (every key seen) still points at the filler."""
+    pool = random_pool(6, p=20, n_protected=4)
+    gen = torch.Generator().manual_seed(0)
+    filler, rare = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    rare -= (rare @ filler) / (filler @ filler) * filler  # orthogonal to the filler
+    pool.keys = rare + 0.01 * torch.randn(1, 2, 20, 8, generator=gen)  # kept: rare keys
+    pool.keys[..., 9, :] = filler  # two filler keys in the new block
+    pool.keys[..., 14, :] = filler
+    pool.keys[..., 17, :] = -filler - rare  # unlike both
+    # The pool's mean is the rare direction: the filler keys look the most different.
+    assert sorted(make_selector("keydiff").select(pool, 3)[0, 0].tolist()) == [9, 14, 17]
+    pool.key_sum = None
+    with pytest.raises(BMRTError, match=r"needs Pool\.key_sum"):
+        make_selector("keydiff", {"anchor": "stream"}).select(pool, 3)
+    # The stream saw mostly filler (1000 unit keys against 18 rare ones).
+    unit = torch.nn.functional.normalize
+    pool.key_sum = (1000 * unit(filler, dim=0) + 18 * unit(rare, dim=0)).expand(1, 2, 8)
+    picked = make_selector("keydiff", {"anchor": "stream"}).select(pool, 3)
+    assert 17 in picked[0, 0].tolist() and 9 not in picked[0, 0].tolist()
+    assert 14 not in picked[0, 0].tolist()
+
+
 def _keydiff_pool_with_a_question(n_question: int) -> Pool:
     # Filler keys along one direction, outliers 7 and 12 elsewhere; the question's queries
     # (the last n_question of each query head) point at filler token 15 alone.
@@ -196,6 +223,8 @@ def test_keydiff_gives_the_question_its_share_of_the_slots():
         ({"question_share": 1.5}, "option 'question_share' must be a number in \\[0, 1\\]"),
         ({"question_share": True}, "option 'question_share' must be a number"),
         ({"kernel": 4}, "option 'kernel'"),
+        ({"anchor": "global"}, "option 'anchor' must be one of \\['pool', 'stream'\\]"),
+        ({"anchor": 1}, "option 'anchor' must be one of"),
     ],
 )
 def test_keydiff_refuses_bad_options(options, match):

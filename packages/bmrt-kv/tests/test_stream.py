@@ -52,6 +52,58 @@ def test_query_aware_changes_the_selection(llama):
     assert not torch.equal(kept[0], kept[1])
 
 
+@pytest.mark.parametrize("positions", ["absolute", "rerotate"])
+def test_keydiff_stream_anchor_sums_every_key_seen_and_not_the_question(llama, positions):
+    """keydiff's "stream" anchor: the layer's running sum is the sum of the unit keys of
+    every context token, kept or evicted, as a full cache holds them; the question's
+    scoring-only tokens never count. (Layer 0 only: deeper layers' keys depend on the
+    attention over the compressed cache, so they differ from a full cache's.)"""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, VOCAB, (1, 50), generator=torch.Generator().manual_seed(7))
+    config = BMRTConfig(
+        budget=16,
+        protection_divisor=4,
+        block_size=8,
+        scoring="query_aware",
+        positions=positions,
+        selector_options={"anchor": "stream"},
+    )
+    stream = BoundedStream(llama, config=config, question=[5, 6, 7])
+    stream.feed(ids[0])
+    full = DynamicCache(config=llama.config)
+    with torch.no_grad():
+        llama(input_ids=ids, past_key_values=full)
+    layer = stream.cache.layers[0]
+    assert layer.stored == 16 and layer.seen == 50
+    expected = torch.nn.functional.normalize(full.layers[0].keys.float(), dim=-1).sum(2)
+    torch.testing.assert_close(layer.key_sum, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_with_a_stream_anchored_keydiff_stage_keeps_the_sum(llama):
+    options = {"primary": "keydiff", "primary_options": {"anchor": "stream"}}
+    config = BMRTConfig(
+        budget=16, protection_divisor=4, block_size=8, selector="hybrid", selector_options=options
+    )
+    stream = BoundedStream(llama, config=config)
+    stream.feed(torch.arange(40) % VOCAB)
+    assert all(layer.key_sum is not None for layer in stream.cache.layers)
+
+
+def test_keydiff_stream_anchor_changes_the_selection(llama):
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(3))
+    kept = []
+    for anchor in ("pool", "stream"):
+        config = BMRTConfig(
+            budget=16, protection_divisor=4, block_size=8, selector_options={"anchor": anchor}
+        )
+        stream = BoundedStream(llama, config=config)
+        stream.feed(ids)
+        kept.append(torch.cat([layer.positions for layer in stream.cache.layers]))
+        assert all((layer.key_sum is None) == (anchor == "pool") for layer in stream.cache.layers)
+    assert not torch.equal(kept[0], kept[1])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

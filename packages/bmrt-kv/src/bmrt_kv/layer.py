@@ -37,6 +37,8 @@ class BMRTLayer(CacheLayerMixin):
         self.seen = 0
         self.positions: torch.Tensor | None = None
         self.accumulated: torch.Tensor | None = None
+        # Sum of the unit-normalised keys of every token seen (keydiff's "stream" anchor).
+        self.key_sum: torch.Tensor | None = None
         self.peak_tokens = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -46,6 +48,10 @@ class BMRTLayer(CacheLayerMixin):
         self.values = value_states.new_zeros(b, h, 0, value_states.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.int64, device=self.device)
         self.accumulated = torch.zeros(b, h, 0, dtype=torch.float32, device=self.device)
+        self.key_sum = None
+        if self.selector.needs_key_sum:
+            self.key_sum = torch.zeros(b, h, key_states.shape[-1], dtype=torch.float32)
+            self.key_sum = self.key_sum.to(self.device)
         self.is_initialized = True
 
     @property
@@ -97,7 +103,11 @@ class BMRTLayer(CacheLayerMixin):
         if n_scoring_only:
             self._take(slice(0, self.stored - n_scoring_only))
         previous_seen = self.seen
-        self.seen += n_forward - n_scoring_only
+        n_new = n_forward - n_scoring_only
+        self.seen += n_new
+        if self.key_sum is not None and n_new:
+            new_keys = self.keys[:, :, self.stored - n_new :].to(torch.float32)
+            self.key_sum = self.key_sum + torch.nn.functional.normalize(new_keys, dim=-1).sum(2)
         pool = self._pool(queries, previous_seen, n_scoring_only)
         if self.selector.stateful:
             self.accumulated = self.accumulated + attention_mass(pool)
@@ -144,6 +154,7 @@ class BMRTLayer(CacheLayerMixin):
             accumulated=self.accumulated,
             query_weights=weights,
             n_question=n_scoring_only,
+            key_sum=self.key_sum,
         )
 
     def _gather(self, index: torch.Tensor) -> None:
@@ -182,6 +193,7 @@ class BMRTLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.accumulated = None
+        self.key_sum = None
         self.is_initialized = False
         self.seen = 0
         self.peak_tokens = 0

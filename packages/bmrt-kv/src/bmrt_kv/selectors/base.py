@@ -34,6 +34,9 @@ class Pool:
             each). Query-aware scoring gives the question as much weight as the block.
         n_question: the question's queries per query head (query-aware scoring: the last
             ``n_question`` of each head's ``Q // query_groups``); 0 without a question.
+        key_sum: (b, h, hd) float32 or None, the sum of the unit-normalised keys of every
+            token the layer has seen, the new block included (only for a selector whose
+            :meth:`Selector.needs_key_sum` is True).
     """
 
     keys: torch.Tensor
@@ -45,6 +48,7 @@ class Pool:
     accumulated: torch.Tensor | None = None
     query_weights: torch.Tensor | None = None
     n_question: int = 0
+    key_sum: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -71,6 +75,11 @@ class Selector(ABC):
         self.seed = check_int(
             f"the seed of selector {self.name!r}", self.seed, 0, MAX_SELECTOR_SEED
         )
+
+    @property
+    def needs_key_sum(self) -> bool:
+        """True when the layer must keep ``Pool.key_sum`` (a running sum over the stream)."""
+        return False
 
     def option(self, option: str, value, low: int, high: int, odd: bool = False) -> int:
         """Check an int option of this selector; errors name the selector and the option."""

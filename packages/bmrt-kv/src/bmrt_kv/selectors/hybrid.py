@@ -54,6 +54,10 @@ class HybridSelector(Selector):
         self.stages: tuple[Selector, Selector] = (stages[0], stages[1])
         self.stateful = stages[0].stateful or stages[1].stateful
 
+    @property
+    def needs_key_sum(self) -> bool:
+        return self.stages[0].needs_key_sum or self.stages[1].needs_key_sum
+
     def score(self, pool: Pool) -> torch.Tensor:
         """The primary's scores (used only where a caller wants a single ranking)."""
         return self.stages[0].score(pool)
