@@ -46,6 +46,9 @@ def main(argv=None) -> None:
         choices=["agnostic", "query_aware"],
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--block-size", type=int, default=512, help="tokens per block (label shows other values)"
+    )
     add_run_flags(parser)
     parser.add_argument("--name", default="suite", help="results/<name>.json")
     args = parser.parse_args(argv)
@@ -62,9 +65,15 @@ def main(argv=None) -> None:
         by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, args.tasks)
         for task, samples in by_task.items():
             for selector, budget, scoring in plan:
-                config, selector_label, scoring_label = run_config(args, selector, budget, scoring)
+                config, selector_label, scoring_label = run_config(
+                    args, selector, budget, scoring, args.block_size
+                )
+                if args.block_size != 512:
+                    selector_label += f" (block {args.block_size})"
                 start = time.perf_counter()
-                results = [run_sample(model, tokenizer, s, config) for s in samples]
+                results = [
+                    run_sample(model, tokenizer, s, config, args.block_size) for s in samples
+                ]
                 row = [
                     n_tokens,
                     task,
@@ -106,6 +115,7 @@ def _write(args, argv, rows, load_start, earlier=None) -> None:
             else ""
         )
         + (f"keydiff anchor {args.anchor}, " if args.anchor is not None else "")
+        + (f"block {args.block_size}, " if args.block_size != 512 else "")
         + "other options at their defaults. Peak RSS of the run "
         f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the last row (2 cores): s/sample is context only.",
