@@ -50,8 +50,7 @@ class BMRTLayer(CacheLayerMixin):
         self.accumulated = torch.zeros(b, h, 0, dtype=torch.float32, device=self.device)
         self.key_sum = None
         if self.selector.needs_key_sum:
-            self.key_sum = torch.zeros(b, h, key_states.shape[-1], dtype=torch.float32)
-            self.key_sum = self.key_sum.to(self.device)
+            self.key_sum = torch.zeros(b, h, hd, dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
     @property
