@@ -21,6 +21,7 @@ import torch
 from common import COMMAND, add_run_flags, earlier_result, run_config, runs, write_result
 
 from bmrt_kv import SELECTORS
+from bmrt_kv.config import DEFAULT_BLOCK_SIZE
 from bmrt_kv.evaluation import multikey_sample, passkey_samples, run_sample
 
 
@@ -51,7 +52,9 @@ def main(argv=None) -> None:
         default=["agnostic", "query_aware"],
         choices=["agnostic", "query_aware"],
     )
-    parser.add_argument("--block-size", type=int, default=512)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="tokens per block (default: min(512, B))"
+    )
     parser.add_argument("--multikey", type=int, default=0, help="keys per sample (0: single)")
     parser.add_argument("--seed", type=int, default=0)
     add_run_flags(parser)
@@ -81,7 +84,11 @@ def main(argv=None) -> None:
             start = time.perf_counter()
             results = []
             for i, sample in enumerate(samples):
-                results.append(run_sample(model, tokenizer, sample, config, args.block_size))
+                results.append(
+                    run_sample(
+                        model, tokenizer, sample, config, args.block_size or DEFAULT_BLOCK_SIZE
+                    )
+                )
                 print(f"  {selector} {scoring} sample {i}: {results[-1]['output']!r}", flush=True)
             row = [
                 n_tokens,
@@ -120,7 +127,8 @@ def _write(name, args, argv, rows, load_start, earlier=None) -> None:
         command=(earlier["command"] + " ; then " if earlier else "") + _command(argv),
         notes=(earlier["notes"] + " THEN (--append) " if earlier else "")
         + f"Ran: lengths {args.lengths}, {args.samples} samples each, budgets {args.budgets}, "
-        f"selectors {args.selectors}, scorings {args.scorings}, block {args.block_size}"
+        f"selectors {args.selectors}, scorings {args.scorings}, block "
+        + (str(args.block_size) if args.block_size else "min(512, B)")
         + (f", {args.multikey} keys per sample" if args.multikey else "")
         + (f", kernel {args.kernel}" if args.kernel is not None else "")
         + (f", lsh tie-breaker {args.tie_breaker}" if args.tie_breaker is not None else "")

@@ -22,6 +22,7 @@ import torch
 from common import add_run_flags, earlier_result, run_config, runs, write_result
 
 from bmrt_kv import SELECTORS
+from bmrt_kv.config import DEFAULT_BLOCK_SIZE
 from bmrt_kv.evaluation import run_sample
 from bmrt_kv.suite import TASKS, suite_samples
 
@@ -47,7 +48,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--block-size", type=int, default=512, help="tokens per block (label shows other values)"
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block (default: the config's, min(512, B); a row's label shows a "
+        "block other than 512)",
     )
     add_run_flags(parser)
     parser.add_argument("--name", default="suite", help="results/<name>.json")
@@ -68,11 +73,10 @@ def main(argv=None) -> None:
                 config, selector_label, scoring_label = run_config(
                     args, selector, budget, scoring, args.block_size
                 )
-                if args.block_size != 512:
-                    selector_label += f" (block {args.block_size})"
                 start = time.perf_counter()
                 results = [
-                    run_sample(model, tokenizer, s, config, args.block_size) for s in samples
+                    run_sample(model, tokenizer, s, config, args.block_size or DEFAULT_BLOCK_SIZE)
+                    for s in samples
                 ]
                 row = [
                     n_tokens,
@@ -115,7 +119,7 @@ def _write(args, argv, rows, load_start, earlier=None) -> None:
             else ""
         )
         + (f"keydiff anchor {args.anchor}, " if args.anchor is not None else "")
-        + (f"block {args.block_size}, " if args.block_size != 512 else "")
+        + (f"block {args.block_size}, " if args.block_size is not None else "")
         + "other options at their defaults. Peak RSS of the run "
         f"{rss / 2**20:.0f} MiB. 1-minute load average {load_start:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the last row (2 cores): s/sample is context only.",

@@ -157,7 +157,7 @@ def config_valid(kwargs, defaults: dict) -> bool:
     if not (
         _int(c["budget"], 1, MAX_TOKENS)
         and _int(c["protection_divisor"], 3, MAX_TOKENS)
-        and _int(c["block_size"], 1, MAX_TOKENS)
+        and (c["block_size"] is None or _int(c["block_size"], 1, MAX_TOKENS))
         and _int(c["seed"], 0, MAX_SEED)
         and _name(c["selector"], SELECTOR_NAMES)
         and _name(c["scoring"], ("agnostic", "query_aware"))
@@ -217,7 +217,7 @@ def smoke(config) -> None:
 
     model = _tiny_llama()
     ids = list(range(3, 27))
-    if config.scoring == "query_aware" and config.block_size < 2:
+    if config.scoring == "query_aware" and config.block_tokens < 2:
         # No room for a question next to a block: drive the cache directly, as a caller
         # that supplies the scoring-only tokens itself (here none) would.
         cache = BMRTCache(model, config, _question_supplied=True)

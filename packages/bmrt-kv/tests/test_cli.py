@@ -28,7 +28,8 @@ def test_help_shows_every_default(command, capsys, monkeypatch):
     for action in options:
         entry = " ".join(entries[action.option_strings[0]].split())
         assert f"(default: {action.default})" in entry, entry
-    assert "(default: 512)" in out and "(default: agnostic)" in out
+    assert "(default: 8)" in out and "(default: agnostic)" in out
+    assert "None: min(512, budget) (default: None)" in " ".join(out.split())
 
 
 @pytest.mark.parametrize(

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +19,39 @@ def test_defaults_split_the_budget():
 def test_divisor_below_three_is_rejected(divisor):
     with pytest.raises(ValueError, match="protection_divisor"):
         BMRTConfig(budget=64, protection_divisor=divisor)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "block"),
+    [
+        ({}, 512),
+        ({"budget": 256}, 256),
+        ({"budget": 511}, 511),
+        ({"budget": 4096}, 512),
+        ({"budget": 256, "block_size": 512}, 512),
+        ({"budget": 4096, "block_size": 64}, 64),
+        ({"budget": 300, "block_size": None}, 300),
+    ],
+)
+def test_block_size_defaults_to_at_most_the_budget(kwargs, block):
+    # A 512-token block at B = 256 kept 256 of 768 tokens per step and answered 10 of 60
+    # agnostic 8k samples where a 256-token block answered 29: the default follows B.
+    config = BMRTConfig(**kwargs)
+    assert config.block_tokens == block
+    assert config.block_size == kwargs.get("block_size")  # the field keeps what was given
+    assert BMRTConfig.from_dict(kwargs) == config
+
+
+def test_a_default_block_follows_a_replaced_budget(llama):
+    # The field stays None, so a budget set later (replace, or a BMRTCache override)
+    # resolves the block again instead of keeping the old budget's.
+    assert replace(BMRTConfig(budget=256), budget=2048).block_tokens == 512
+    assert replace(BMRTConfig(budget=2048), budget=64).block_tokens == 64
+    cache = BMRTCache(llama, budget=64, protection_divisor=4)
+    assert cache.layers[0].config.block_tokens == 64
+    with pytest.raises(BMRTError, match="block_size=64"):
+        # budget + block = 128 tokens at most in one forward
+        cache.layers[0].update(torch.zeros(1, 2, 129, 16), torch.zeros(1, 2, 129, 16))
 
 
 @settings(max_examples=40, deadline=None)

@@ -10,7 +10,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bmrt_kv.config import GRANULARITIES, POSITION_MODES, SCORING_MODES, BMRTConfig
+from bmrt_kv.config import (
+    DEFAULT_BLOCK_SIZE,
+    GRANULARITIES,
+    POSITION_MODES,
+    SCORING_MODES,
+    BMRTConfig,
+)
 from bmrt_kv.errors import BMRTError
 from bmrt_kv.selectors import SELECTORS, TIE_BREAKERS
 from bmrt_kv.suite import TASKS
@@ -23,7 +29,10 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         help="a transformers model directory, or a .gguf file (dequantised to float32)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=BMRTConfig.block_size, help="tokens per prefill block"
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per prefill block; None: min({DEFAULT_BLOCK_SIZE}, budget)",
     )
     parser.add_argument(
         "--divisor", type=int, default=BMRTConfig.protection_divisor, help="protection_divisor n"
@@ -183,7 +192,13 @@ def cmd_eval(args) -> int:
                     results = []
                     for sample in samples:
                         results.append(
-                            run_sample(model, tokenizer, sample, config, args.block_size)
+                            run_sample(
+                                model,
+                                tokenizer,
+                                sample,
+                                config,
+                                args.block_size or DEFAULT_BLOCK_SIZE,
+                            )
                         )
                         bar.update()
                     row = {

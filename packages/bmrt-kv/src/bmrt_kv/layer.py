@@ -64,7 +64,7 @@ class BMRTLayer(CacheLayerMixin):
         """Append a block. key_states, value_states: (b, h, T, hd), rotated at positions
         ``seen .. seen + T - 1``. Returns the (b, h, S + T, hd) keys and values."""
         n_new = key_states.shape[-2]
-        limit = self.config.budget + self.config.block_size
+        limit = self.config.budget + self.config.block_tokens
         if self.stored > self.config.budget:
             raise RuntimeError(
                 f"the layer still holds {self.stored} > budget={self.config.budget} tokens: "
@@ -74,7 +74,7 @@ class BMRTLayer(CacheLayerMixin):
             raise BMRTError(
                 f"a block of {n_new} tokens on top of {self.stored} cached exceeds "
                 f"budget + block_size = {limit}; feed at most block_size="
-                f"{self.config.block_size} tokens per forward (generate(..., "
+                f"{self.config.block_tokens} tokens per forward (generate(..., "
                 "prefill_chunk_size=block_size) or BoundedStream)"
             )
         if not self.is_initialized:

@@ -80,10 +80,10 @@ class BoundedStream:
         if question is None:
             raise BMRTError("scoring='query_aware' needs question=<text or token ids>")
         ids = self._encode(question, special=False)
-        if not 0 < ids.shape[-1] < self.config.block_size:
+        if not 0 < ids.shape[-1] < self.config.block_tokens:
             raise BMRTError(
                 f"the question has {ids.shape[-1]} tokens; query-aware scoring needs "
-                f"1 <= tokens < block_size={self.config.block_size}"
+                f"1 <= tokens < block_size={self.config.block_tokens}"
             )
         return ids
 
@@ -104,7 +104,7 @@ class BoundedStream:
         self._flush_pending()
         ids = self._encode(data, special=self.cache.get_seq_length() == 0)
         n_question = 0 if self.question_ids is None else self.question_ids.shape[-1]
-        step = self.config.block_size - n_question
+        step = self.config.block_tokens - n_question
         blocks = ids.split(step, dim=-1)
         if self.progress:
             from tqdm.auto import tqdm
