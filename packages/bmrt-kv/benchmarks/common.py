@@ -66,13 +66,22 @@ def runs(selectors, budgets, scorings) -> list[tuple]:
     return out
 
 
+def block_label(config) -> str:
+    """The label suffix of a config's block size: "" for the 512-token block (or the full
+    cache, ``config=None``), " (block N)" otherwise, as every results file labels rows."""
+    from bmrt_kv.config import DEFAULT_BLOCK_SIZE
+
+    if config is None or config.block_tokens == DEFAULT_BLOCK_SIZE:
+        return ""
+    return f" (block {config.block_tokens})"
+
+
 def run_config(args, selector: str, budget, scoring: str, block_size: int | None = None):
     """The BMRTConfig of one run (None for the full cache) from the shared flags, and the
     selector and scoring labels of its row. ``block_size=None`` takes the config's default,
     min(512, budget); a block other than 512 shows in the selector label ("keydiff (block
     256)"), as every results file has labelled it, so rows of the same label compare."""
     from bmrt_kv import BMRTConfig
-    from bmrt_kv.config import DEFAULT_BLOCK_SIZE
 
     options = {}
     if args.kernel is not None and selector in ("exact", "snapkv"):
@@ -95,16 +104,11 @@ def run_config(args, selector: str, budget, scoring: str, block_size: int | None
         )
     # snapkv scores with its observation window and ignores query weights.
     weighted = scoring == "query_aware" and args.question_weight != 0.5 and selector != "snapkv"
-    block = (
-        ""
-        if config is None or config.block_tokens == DEFAULT_BLOCK_SIZE
-        else (f" (block {config.block_tokens})")
-    )
     return (
         config,
         selector
         + "".join(f" ({v})" if k == "tie_breaker" else f" ({k} {v})" for k, v in options.items())
-        + block,
+        + block_label(config),
         scoring + (f" (question {args.question_weight})" if weighted else ""),
     )
 

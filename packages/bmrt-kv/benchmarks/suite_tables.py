@@ -20,10 +20,9 @@ import sys
 from collections import defaultdict
 from fractions import Fraction
 
-from common import QUERY_FREE, RESULTS, write_result
+from common import QUERY_FREE, RESULTS, block_label, write_result
 
 from bmrt_kv import BMRTConfig
-from bmrt_kv.config import DEFAULT_BLOCK_SIZE
 from bmrt_kv.suite import TASKS
 
 MODES = ("query_aware", "agnostic")
@@ -86,8 +85,7 @@ def defaults_label(budget: int) -> str:
     """The row label of ``BMRTConfig(budget=budget)``: a block other than 512 tokens shows
     in labels ("bmrt-kv keydiff (block 256)"), as suite.py writes them."""
     config = BMRTConfig(budget=budget)
-    block = "" if config.block_tokens == DEFAULT_BLOCK_SIZE else f" (block {config.block_tokens})"
-    return f"bmrt-kv {config.selector}{block}"
+    return f"bmrt-kv {config.selector}{block_label(config)}"
 
 
 def targets(cells: dict, tasks: list[str], mode: str) -> list[dict]:
