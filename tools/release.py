@@ -7,9 +7,9 @@ Checks that the version in __about__.py was bumped past the package's last tag
 (`<package>-v<version>`) and that CHANGELOG.md has an entry for it; builds the sdist and
 the wheel with `hatch build`; installs the wheel into a fresh venv; imports it there and
 checks the version; with --tests, also installs the package's extras and the dev helper as
-its hatch environment does (read from hatch.toml) and runs the package's tests against
-that installed wheel, from outside the source tree, checking that the package the tests
-imported is the venv's copy. Prints the tag to create; creates nothing in git.
+its hatch environment does, on the torch and transformers it pins (read from hatch.toml),
+and runs the package's tests against that installed wheel, from outside the source tree,
+checking that the package the tests imported is the venv's copy. Prints the tag to create; creates nothing in git.
 
 With --all every package is checked even when an earlier one fails (one fresh venv each);
 --no-tag-check allows a version that is already tagged (CI tests released versions too).
@@ -32,8 +32,6 @@ from _common import PACKAGES, ROOT, hatch
 
 # Packages whose wheel carries compiled code and so must be platform-tagged.
 PLATFORM_WHEELS = {"paired-cache", "zstd-linear"}
-# The dev machines' CPU torch; a user's pip resolves the open range in the metadata.
-DEV_CONSTRAINTS = "torch==2.13.0\ntransformers==5.23.0\n"  # as hatch.toml pins them
 
 # A pytest plugin loaded into each wheel's test run: after collection (when the tests have
 # imported the package) and at the end, the package must come from the venv, never from
@@ -117,6 +115,14 @@ def build(package: str, dist: Path) -> tuple[Path, Path]:
     return wheel, sdists[0]
 
 
+def env_pins(package: str) -> str:
+    """The package's hatch environment's dependencies (torch==2.13.0, the dev machines'
+    CPU build, and its transformers pin) as pip constraints: the wheel is tested on the
+    releases its environment pins, where a user's pip resolves the metadata's open ranges."""
+    env = tomllib.loads((ROOT / "hatch.toml").read_text())["envs"][package]
+    return "".join(f"{dep}\n" for dep in env.get("dependencies", []))
+
+
 def env_members(package: str) -> tuple[list[str], list[str]]:
     """(extras of the package, pip specs of the other members) of the package's hatch
     environment, so the wheel is tested with what its own environment holds."""
@@ -142,7 +148,7 @@ def install_and_check(
         venv.create(env_dir, with_pip=True)
         py = str(env_dir / "bin" / "python")
         constraints = Path(tmp) / "constraints.txt"
-        constraints.write_text(DEV_CONSTRAINTS)
+        constraints.write_text(env_pins(package))
         # --no-compile: byte-compiling torch's thousands of modules costs a minute per venv
         # and changes nothing the tests see (Python compiles what it imports).
         pip = [py, "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints)]
