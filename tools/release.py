@@ -9,7 +9,8 @@ the wheel with `hatch build`; installs the wheel into a fresh venv; imports it t
 checks the version; with --tests, also installs the package's extras and the dev helper as
 its hatch environment does, on the torch and transformers it pins (read from hatch.toml),
 and runs the package's tests against that installed wheel, from outside the source tree,
-checking that the package the tests imported is the venv's copy. Prints the tag to create; creates nothing in git.
+checking that the package the tests imported is the venv's copy. Prints the tag to
+create; creates nothing in git.
 
 With --all every package is checked even when an earlier one fails (one fresh venv each);
 --no-tag-check allows a version that is already tagged (CI tests released versions too).
