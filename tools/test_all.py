@@ -11,10 +11,10 @@ the last line.
 Each package's tests run once, against its wheel, not a second time against the editable
 tree as well: the two runs tested the same code with the same pins (the wheel check takes
 the pins of the package's hatch environment, transformers 5.24 for bmrt-kv), and together
-took the suite to 52 minutes on the 2-core CI machine, 86 minutes on a slower one. bmrt-kv
-also runs on the oldest transformers its metadata allows (bmrt-kv-floor, 5.2): transformers'
-Cache API, which it plugs into, moves between releases. `--editable` adds the
-editable-tree steps (`hatch run <package>:test`); so does naming them in `--only`.
+took the suite to 52 minutes on the 2-core CI machine. bmrt-kv also runs on the oldest
+transformers its metadata allows (bmrt-kv-floor, 5.2): transformers' Cache API, which it
+plugs into, moves between releases. `--editable` adds the editable-tree steps
+(`hatch run <package>:test`); so does naming them in `--only`.
 
 Before an environment's first step its workspace members are reinstalled from the tree
 (`tools/sync_envs.py`): hatch does not notice a member's version bump or a changed C core
@@ -33,10 +33,6 @@ from pathlib import Path
 
 from _common import PACKAGES, ROOT, hatch
 from sync_envs import refresh
-
-# Editable-tree steps left out unless asked for: every package's tests run against its
-# wheel (release:<package>) with the same pins (see the module docstring).
-EDITABLE_ONLY_ON_REQUEST = set(PACKAGES)
 
 
 def _counts(junit: Path | None) -> tuple[int, int, int]:
@@ -97,7 +93,9 @@ def main() -> int:
             wanted.update(f"release:{name}" for name in PACKAGES)
         steps = [s for s in steps if s[0] in wanted]
     elif not args.editable:
-        steps = [s for s in steps if s[0] not in EDITABLE_ONLY_ON_REQUEST]
+        # Editable-tree steps only on request: every package's tests run against its wheel
+        # (release:<package>) with the same pins (see the module docstring).
+        steps = [s for s in steps if s[0] not in PACKAGES]
 
     results = []
     refreshed: dict[str, int] = {}
