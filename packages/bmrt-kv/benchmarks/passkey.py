@@ -53,7 +53,10 @@ def main(argv=None) -> None:
         choices=["agnostic", "query_aware"],
     )
     parser.add_argument(
-        "--block-size", type=int, default=None, help="tokens per block (default: min(512, B))"
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block (default: the config's, min(512, B); query-aware min(512, 2B))",
     )
     parser.add_argument("--multikey", type=int, default=0, help="keys per sample (0: single)")
     parser.add_argument("--seed", type=int, default=0)
@@ -128,7 +131,7 @@ def _write(name, args, argv, rows, load_start, earlier=None) -> None:
         notes=(earlier["notes"] + " THEN (--append) " if earlier else "")
         + f"Ran: lengths {args.lengths}, {args.samples} samples each, budgets {args.budgets}, "
         f"selectors {args.selectors}, scorings {args.scorings}, block "
-        + (str(args.block_size) if args.block_size else "min(512, B)")
+        + (str(args.block_size) if args.block_size else "min(512, B), query-aware min(512, 2B)")
         + (f", {args.multikey} keys per sample" if args.multikey else "")
         + (f", kernel {args.kernel}" if args.kernel is not None else "")
         + (f", lsh tie-breaker {args.tie_breaker}" if args.tie_breaker is not None else "")

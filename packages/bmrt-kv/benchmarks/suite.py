@@ -51,8 +51,8 @@ def main(argv=None) -> None:
         "--block-size",
         type=int,
         default=None,
-        help="tokens per block (default: the config's, min(512, B); a row's label shows a "
-        "block other than 512)",
+        help="tokens per block (default: the config's, min(512, B), query-aware "
+        "min(512, 2B); a row's label shows a block other than 512)",
     )
     add_run_flags(parser)
     parser.add_argument("--name", default="suite", help="results/<name>.json")

@@ -81,10 +81,10 @@ def table(cells: dict, tasks: list[str]) -> list[list]:
     ]
 
 
-def defaults_label(budget: int) -> str:
-    """The row label of ``BMRTConfig(budget=budget)``: a block other than 512 tokens shows
-    in labels ("bmrt-kv keydiff (block 256)"), as suite.py writes them."""
-    config = BMRTConfig(budget=budget)
+def defaults_label(budget: int, scoring: str) -> str:
+    """The row label of ``BMRTConfig(budget=budget, scoring=scoring)``: a block other than
+    512 tokens shows in labels ("bmrt-kv keydiff (block 256)"), as suite.py writes them."""
+    config = BMRTConfig(budget=budget, scoring=scoring)
     return f"bmrt-kv {config.selector}{block_label(config)}"
 
 
@@ -104,7 +104,7 @@ def targets(cells: dict, tasks: list[str], mode: str) -> list[dict]:
         if mode == "query_aware":
             # Exactly the defaults' label at this budget: another block size, question
             # weight or option is another configuration.
-            mine = defaults_label(budget)
+            mine = defaults_label(budget, mode)
             label = f"the defaults ({default})"
             if mine not in ours:
                 # Not judged on part of the tasks (or none), and not passed either.
@@ -200,8 +200,8 @@ def main(argv=None) -> None:
             notes=f"From {sources} and {kv_sources}. The "
             "full cache row is kvpress's uncompressed prefill of the same samples. "
             f"bmrt-kv's defaults select with {BMRTConfig().selector}, in blocks of "
-            "min(512, B) tokens (bmrt-kv 0.8.0; a row labelled without '(block N)' used "
-            "512-token blocks).",
+            "min(512, B) tokens agnostic and min(512, 2B) query-aware (bmrt-kv 0.9.0; a "
+            "row labelled without '(block N)' used 512-token blocks).",
         )
 
 

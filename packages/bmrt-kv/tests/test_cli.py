@@ -29,7 +29,9 @@ def test_help_shows_every_default(command, capsys, monkeypatch):
         entry = " ".join(entries[action.option_strings[0]].split())
         assert f"(default: {action.default})" in entry, entry
     assert "(default: 8)" in out and "(default: agnostic)" in out
-    assert "None: min(512, budget) (default: None)" in " ".join(out.split())
+    assert "None: min(512, budget), query-aware min(512, 2 x budget) (default: None)" in " ".join(
+        out.split()
+    )
 
 
 @pytest.mark.parametrize(

@@ -31,11 +31,17 @@ def test_divisor_below_three_is_rejected(divisor):
         ({"budget": 256, "block_size": 512}, 512),
         ({"budget": 4096, "block_size": 64}, 64),
         ({"budget": 300, "block_size": None}, 300),
+        ({"budget": 256, "scoring": "query_aware"}, 512),
+        ({"budget": 100, "scoring": "query_aware"}, 200),
+        ({"budget": 4096, "scoring": "query_aware"}, 512),
+        ({"budget": 256, "scoring": "query_aware", "block_size": 256}, 256),
     ],
 )
 def test_block_size_defaults_to_at_most_the_budget(kwargs, block):
     # A 512-token block at B = 256 kept 256 of 768 tokens per step and answered 10 of 60
     # agnostic 8k samples where a 256-token block answered 29: the default follows B.
+    # Query-aware, the 512-token block answered more at B = 256 (36 against 34 of 140 at
+    # 8k, 43 against 40 at 4k): there the default is min(512, 2 * B).
     config = BMRTConfig(**kwargs)
     assert config.block_tokens == block
     assert config.block_size == kwargs.get("block_size")  # the field keeps what was given
@@ -47,6 +53,7 @@ def test_a_default_block_follows_a_replaced_budget(llama):
     # resolves the block again instead of keeping the old budget's.
     assert replace(BMRTConfig(budget=256), budget=2048).block_tokens == 512
     assert replace(BMRTConfig(budget=2048), budget=64).block_tokens == 64
+    assert replace(BMRTConfig(budget=64), scoring="query_aware").block_tokens == 128
     cache = BMRTCache(llama, budget=64, protection_divisor=4)
     assert cache.layers[0].config.block_tokens == 64
     with pytest.raises(BMRTError, match="block_size=64"):

@@ -32,7 +32,8 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         "--block-size",
         type=int,
         default=None,
-        help=f"tokens per prefill block; None: min({DEFAULT_BLOCK_SIZE}, budget)",
+        help=f"tokens per prefill block; None: min({DEFAULT_BLOCK_SIZE}, budget), "
+        f"query-aware min({DEFAULT_BLOCK_SIZE}, 2 x budget)",
     )
     parser.add_argument(
         "--divisor", type=int, default=BMRTConfig.protection_divisor, help="protection_divisor n"
