@@ -45,8 +45,8 @@ from _common import PACKAGES, ROOT, hatch
 from sync_envs import refresh
 
 # Steps that run with nothing beside them. The integration tests include the budget runner's,
-# which refuses to measure while another process maps a file under the model cache (those
-# pages stay charged to nobody), and drop the page cache other steps read from.
+# which refuses to measure while another process maps a file under the model cache (the
+# limit would not bind on pages that process keeps mapped), and drop the page cache.
 ALONE = {"integration"}
 # Steps that may run beside those: they map no model and measure no memory or time.
 QUIET = {"memcheck"}
