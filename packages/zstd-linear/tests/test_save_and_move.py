@@ -13,6 +13,7 @@ from conftest import make_toy, tiny_llama
 
 from zstd_linear import (
     CompressedLinear,
+    companion_path,
     compress_model,
     decompress_model,
     load_compressed,
@@ -74,6 +75,52 @@ def test_save_compressed_round_trips_to_identical_logits(compressed, tmp_path):
     else:
         assert head.encoded is table.encoded
     assert torch.equal(logits(model), logits(plain))
+
+
+def test_the_companion_is_safetensors_with_every_tensor_64_byte_aligned(compressed, tmp_path):
+    """A plain lm_head viewed from the companion's mapping sits where a fresh allocation
+    would: the GEMV kernel's rounding depends on the address mod 64 (0.9 left it at
+    safetensors' 8-byte offsets, and one-row logits differed in the last bits)."""
+    from safetensors.torch import load_file
+
+    from zstd_linear.aligned_safetensors import PAD_PREFIX
+
+    plain, model = compressed
+    path = tmp_path / "tiny.zlin"
+    save_compressed(model, path)
+    state = load_file(companion_path(path))  # safetensors' own reader takes it
+    assert torch.equal(state["model.norm.weight"], plain.model.norm.weight)
+    assert all(not state[k].any() for k in state if k.startswith(PAD_PREFIX))
+    loaded = load_compressed(path)
+    assert PAD_PREFIX not in str(dict(loaded.named_parameters()))
+    for name, param in loaded.named_parameters():
+        assert param.data_ptr() % 64 == 0, name
+
+
+def test_the_attention_implementation_round_trips(tmp_path):
+    """The config's JSON leaves it out, and eager and sdpa round differently; a companion
+    written before 0.10 (no record) gets transformers' default, as before."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from zstd_linear.aligned_safetensors import PAD_PREFIX
+    from zstd_linear.pretrained import ATTN_KEY
+
+    model = tiny_llama()
+    model.config._attn_implementation = "eager"
+    compress_model(model, level=1)
+    path = tmp_path / "tiny.zlin"
+    save_compressed(model, path)
+    assert load_compressed(path).config._attn_implementation == "eager"
+    companion = companion_path(path)
+    with safe_open(str(companion), framework="pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != ATTN_KEY}
+        names = [k for k in f.keys() if not k.startswith(PAD_PREFIX)]  # noqa: SIM118
+        tensors = {k: f.get_tensor(k) for k in names}
+    save_file(tensors, str(companion), metadata=metadata)
+    old = load_compressed(path)
+    assert old.config._attn_implementation == "sdpa"
+    assert torch.allclose(logits(old), logits(model), atol=1e-5)
 
 
 def test_a_toy_models_state_dict_refuses_too():

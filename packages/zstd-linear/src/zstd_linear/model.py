@@ -114,6 +114,15 @@ def tied_to(model: nn.Module, embedding_name: str) -> list[str]:
     return [n for n in names if isinstance(model.get_submodule(n), nn.Linear)]
 
 
+def own_forward(module: nn.Module) -> str | None:
+    """Why an nn.Embedding cannot become a CompressedEmbedding: its class overrides
+    nn.Embedding's lookup (Gemma's ScaledWordEmbedding scales the rows, OPT's
+    LearnedPositionalEmbedding takes positions); None for a plain lookup."""
+    if type(module).forward is nn.Embedding.forward:
+        return None
+    return f"{type(module).__name__} has its own forward, not nn.Embedding's lookup"
+
+
 def check_embedding(name: str, module: nn.Module) -> None:
     if module.max_norm is not None:
         raise ValueError(f"embedding {name!r} has max_norm (it renormalises rows): not supported")
@@ -187,7 +196,9 @@ def compress_model(
     Linear). A Linear whose weight is tied to another parameter stays plain and is
     listed in ``report.skipped``. embeddings: also compress every nn.Embedding (into
     CompressedEmbedding); a Linear tied to one (SmolLM2's lm_head) then becomes a
-    CompressedLinear over the same compressed table, stored once. layout, chunk_bytes,
+    CompressedLinear over the same compressed table, stored once. An embedding whose
+    class has its own forward (Gemma's scaled one, OPT's positions) stays plain, with
+    any Linear tied to it, and is listed in ``report.skipped``. layout, chunk_bytes,
     raw_below: see CodecConfig. policy: a POLICIES name; policy_options go to it
     (``window`` for per_pass_prefetch; ``budget_bytes`` or ``memory_limit``, and
     ``window``, for budget). threads: decode and compression threads (default
@@ -204,9 +215,16 @@ def compress_model(
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     names, skipped = select_linears(model, include, exclude)
-    tables = (
-        [n for n, m in model.named_modules() if isinstance(m, nn.Embedding)] if embeddings else []
-    )
+    tables = []
+    for name, module in model.named_modules() if embeddings else ():
+        if isinstance(module, nn.Embedding):
+            reason = own_forward(module)
+            if reason is None:
+                tables.append(name)
+            else:
+                # Left plain, with the Linear tied to it (skipped above): compressing the
+                # table alone would drop what its forward does (a scale: other logits).
+                skipped[name] = reason
     for name in tables:
         check_embedding(name, model.get_submodule(name))
     modules = [model.get_submodule(name) for name in names + tables]

@@ -3,8 +3,10 @@ file beside it, the model built on the meta device and filled from both files, m
 
 ``save_compressed`` of a Hugging Face model writes ``<path>.safetensors`` next to
 ``<path>``: every tensor of the state dict that no compressed module holds, and the
-model's config (JSON) in the safetensors metadata under ``zstd_linear_config``.
-``load_model`` builds ``AutoModelForCausalLM.from_config`` with every parameter on the
+model's config (JSON) in the safetensors metadata under ``zstd_linear_config``, with its
+attention implementation under ``zstd_linear_attn_implementation`` (the config's JSON
+leaves it out, and eager and sdpa attention round differently).
+``build_model`` builds ``AutoModelForCausalLM.from_config`` with every parameter on the
 meta device (the plain model is never materialised), assigns the companion's tensors as
 views of a private read-only-in-practice mapping (file-backed pages until written), and
 hands the model to ``load_compressed`` for the compressed modules.
@@ -24,21 +26,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from zstd_linear.aligned_safetensors import DTYPES, PAD_PREFIX, write_aligned
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.fileformat import umask_mode
 
 CONFIG_KEY = "zstd_linear_config"
 SOURCE_KEY = "zstd_linear_source"
-_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+ATTN_KEY = "zstd_linear_attn_implementation"
 
 
 def companion_path(path: str | os.PathLike) -> Path:
@@ -52,9 +46,7 @@ def save_companion(
 ) -> None:
     """Write the state-dict tensors of ``model`` outside the modules named in ``stored``,
     with its config (and ``source``, if given), to ``companion_path(path)`` (temporary
-    name, then rename)."""
-    from safetensors.torch import save_file
-
+    name, then rename), every tensor 64-byte aligned in the file (aligned_safetensors)."""
     config = model.config.to_dict()
     tensors = {}
     seen: set[int] = set()
@@ -67,10 +59,13 @@ def save_companion(
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        metadata = {CONFIG_KEY: json.dumps(config)}
+        metadata = {
+            CONFIG_KEY: json.dumps(config),
+            ATTN_KEY: json.dumps(getattr(model.config, "_attn_implementation", None)),
+        }
         if source is not None:
             metadata[SOURCE_KEY] = str(Path(source).resolve())
-        save_file(tensors, tmp, metadata=metadata)
+        write_aligned(tmp, tensors, metadata)
         os.chmod(tmp, umask_mode())
         os.replace(tmp, target)
     except BaseException:
@@ -101,8 +96,9 @@ def recorded_source(path: str | os.PathLike) -> str | None:
         return (f.metadata() or {}).get(SOURCE_KEY)
 
 
-def _read_companion(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, name -> tensor viewing a private mapping of the file)."""
+def _read_companion(path: Path) -> tuple[dict, str | dict | None, dict[str, torch.Tensor]]:
+    """(config dict, attention implementation (None where the file does not record it:
+    transformers' default), name -> tensor viewing a private mapping of the file)."""
     from safetensors import safe_open
 
     try:
@@ -124,20 +120,35 @@ def _read_companion(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     start = 8 + header_len
     tensors = {}
     for name, spec in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or name.startswith(PAD_PREFIX):
             continue
-        if spec["dtype"] not in _DTYPES:
+        if spec["dtype"] not in DTYPES:
             raise CompressedFileError(
                 f"{path}: tensor {name!r} has unsupported dtype {spec['dtype']}"
             )
         lo, hi = spec["data_offsets"]
-        dtype = _DTYPES[spec["dtype"]]
+        dtype = DTYPES[spec["dtype"]]
         if hi == lo:
             tensors[name] = torch.empty(spec["shape"], dtype=dtype)
             continue
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=hi - lo, offset=start + lo)
         tensors[name] = flat.view(dtype).view(spec["shape"])
-    return json.loads(metadata[CONFIG_KEY]), tensors
+    attn = _attn_implementation(path, metadata.get(ATTN_KEY, "null"))
+    return json.loads(metadata[CONFIG_KEY]), attn, tensors
+
+
+def _attn_implementation(path: Path, text: str) -> str | dict | None:
+    """The recorded attention implementation (a companion from before 0.10 has none)."""
+    try:
+        value = json.loads(text)
+        valid = value is None or isinstance(value, (str, dict))
+    except json.JSONDecodeError:
+        valid = False
+    if not valid:
+        raise CompressedFileError(
+            f"{path}: {ATTN_KEY} must be a JSON string, object or null, got {text!r}"
+        )
+    return value
 
 
 @contextmanager
@@ -181,10 +192,12 @@ def build_model(path: str | os.PathLike) -> nn.Module:
             "tensors, written by save_compressed of a transformers model); pass model= "
             "to load into a model you built"
         )
-    config_dict, tensors = _read_companion(companion)
+    config_dict, attn, tensors = _read_companion(companion)
     config = AutoConfig.for_model(**config_dict)
+    # The saved model's attention kernel, so that the logits are its logits bit for bit.
+    options = {} if attn is None else {"attn_implementation": attn}
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype, **options)
     model.eval()
     expected = {k for k, _ in model.named_parameters(remove_duplicate=False)}
     unknown = sorted(set(tensors) - expected - set(dict(model.named_buffers())))

@@ -12,7 +12,7 @@ from zstd_linear.embedding import CompressedEmbedding
 from zstd_linear.errors import CompressedFileError
 from zstd_linear.fileformat import read_file, write_file
 from zstd_linear.layer import CompressedLinear
-from zstd_linear.model import RUNTIME_ATTR, install, report_of, runtime_of, tied_to
+from zstd_linear.model import RUNTIME_ATTR, install, own_forward, report_of, runtime_of, tied_to
 from zstd_linear.policies import POLICIES
 from zstd_linear.pretrained import build_model, check_filled, save_companion
 
@@ -149,5 +149,11 @@ def _embedding(path, name: str, encoded, target: nn.Embedding) -> CompressedEmbe
     if target.max_norm is not None:
         raise CompressedFileError(
             f"embedding {name!r} of the model has max_norm (it renormalises rows): not supported"
+        )
+    reason = own_forward(target)
+    if reason is not None:
+        raise CompressedFileError(
+            f"embedding {name!r} of {path} cannot replace the model's: {reason} "
+            "(a CompressedEmbedding is a plain lookup)"
         )
     return CompressedEmbedding(encoded, name, target.padding_idx)
