@@ -110,3 +110,24 @@ def test_diffulex_edge_cell_exports_a_program_that_runs(tmp_path, monkeypatch):
     config = diffulex_edge.GenerationConfig(max_new_tokens=12)
     correct = [engine.generate(p, config).tokens == task.expected(p) for p in prompts]
     assert sum(correct) >= 5, correct
+
+
+def test_stacking_section_runs_and_answers(tmp_path, monkeypatch, capsys):
+    """The "Stacking the packages" block, on SmolLM2's float copy, in a fresh directory."""
+    from membound_testing.models import smollm2_float_dir
+    from membound_testing.readme import blocks
+    from paired_cache import SparseMLP
+    from zstd_linear import CompressedLinear
+
+    text = README.read_text()
+    start = text.index("## Stacking the packages")
+    (block,) = [b for b in blocks(README, "python") if start < text.index(b.code) < start + 4000]
+    monkeypatch.chdir(tmp_path)
+    namespace = {"model_dir": str(smollm2_float_dir())}
+    with torch.inference_mode():
+        exec(compile(block.code, f"{README}:{block.line}", "exec"), namespace)
+    model = namespace["model"]
+    assert all(isinstance(layer.mlp, SparseMLP) for layer in model.model.layers)
+    assert all(isinstance(layer.self_attn.o_proj, CompressedLinear) for layer in model.model.layers)
+    assert isinstance(model.lm_head, CompressedLinear)
+    assert "Paris" in capsys.readouterr().out

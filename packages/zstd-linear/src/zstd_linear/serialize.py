@@ -92,7 +92,7 @@ def load_compressed(
             found = "nothing" if target is None else type(target).__name__
             raise CompressedFileError(
                 f"layer {name!r} of {path} must name an nn.Linear (or an nn.Embedding) in "
-                f"model, found {found}"
+                f"model, found {found}{_replaced_hint(modules, name)}"
             )
         want = (target.out_features, target.in_features)
         if encoded.shape != want:
@@ -157,3 +157,22 @@ def _embedding(path, name: str, encoded, target: nn.Embedding) -> CompressedEmbe
             "(a CompressedEmbedding is a plain lookup)"
         )
     return CompressedEmbedding(encoded, name, target.padding_idx)
+
+
+def _replaced_hint(modules: dict[str, nn.Module], name: str) -> str:
+    """Where a layer of the file is missing because a module above it was replaced (another
+    package's, such as paired-cache's SparseMLP over an MLP), what to do instead."""
+    parent = name
+    while "." in parent:
+        parent = parent.rpartition(".")[0]
+        module = modules.get(parent)
+        if module is not None:
+            if type(module).__module__.startswith(("torch.", "transformers.")):
+                return ""
+            return (
+                f": {parent!r} is a {type(module).__name__}, which replaced the layers below "
+                f"it. Write the file without them: compress_model(model, "
+                f"exclude='*.{parent.rpartition('.')[2]}.*') before the other package's step, "
+                "then save_compressed; or write_file(path, the read_file entries you keep)"
+            )
+    return ""

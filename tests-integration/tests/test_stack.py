@@ -1,0 +1,118 @@
+"""The packages stacked (membound_integration.stack) on tiny random models of two families.
+
+Invariants, over random prompts (hypothesis):
+- at lossless settings (every MLP row, a KV budget above the sequence) the stacked model
+  gives plain's logits within paired-cache's own float32 bound for a full mask
+  (max |difference| <= 1e-5 x max |logit|, the same argmax: the SparseMLP's packed GEMMs
+  round differently from the dense layout, and the in-place kernel over the mapped pool
+  differently again; zstd-linear is lossless and bmrt-kv keeps every token at these
+  settings), and plain's greedy tokens;
+- stacking in the other order (zstd-linear compresses the plain model first, then
+  paired-cache sparsifies it, its rows copied into pools) gives the same model: the same
+  bound against plain, the same argmax;
+- a step the packages cannot combine (a .zlin that names MLP layers paired-cache has
+  replaced) is refused by zstd-linear before the model changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bmrt_kv import BMRTCache, BMRTConfig
+from membound_integration.stack import MLP_GLOB, load_stacked
+from membound_testing.families import VOCAB, tiny_model
+from paired_cache import SparseMLP, convert, sparsify_model
+from zstd_linear import CompressedFileError, CompressedLinear, compress_model, save_compressed
+
+FAMILIES = ("llama", "qwen3")
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def stacked(request, tmp_path_factory):
+    """(family, plain model, stacked model, directory holding its files)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    plain = tiny_model(family)
+    plain.save_pretrained(root / "dense")
+    convert(root / "dense", root / "mlp.pcpool", gate=False, progress=False)
+    # The .zlin of everything but the MLPs, and (for the refusal) of the whole model.
+    for name, exclude in (("rest", MLP_GLOB), ("full", None)):
+        model = tiny_model(family)
+        compress_model(model, exclude=exclude, embeddings=True, progress=False)
+        save_compressed(model, root / f"{name}.zlin")
+    model = load_stacked(root / "dense", root / "mlp.pcpool", root / "rest.zlin", "cats", 1.0)
+    return family, plain, model, root
+
+
+def _other_order(family):
+    """zstd-linear first (everything but the MLPs), then paired-cache's SparseMLP."""
+    model = tiny_model(family)
+    compress_model(model, exclude=MLP_GLOB, embeddings=True, progress=False)
+    sparsify_model(model, "cats", 1.0)
+    return model
+
+
+def _ids(seed: int, length: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=generator)  # (1, T)
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=ids).logits[0]  # (T, vocab)
+
+
+def test_stacked_model_is_built_from_each_package(stacked):
+    _, _, model, _ = stacked
+    layers = model.model.layers
+    assert all(isinstance(layer.mlp, SparseMLP) for layer in layers)
+    assert all(isinstance(layer.self_attn.q_proj, CompressedLinear) for layer in layers)
+    assert type(model.get_input_embeddings()).__name__ == "CompressedEmbedding"
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), length=st.integers(1, 24))
+def test_lossless_stack_gives_plain_logits_in_either_order(stacked, seed, length):
+    family, plain, model, _ = stacked
+    ids = _ids(seed, length)
+    ref, got = _logits(plain, ids), _logits(model, ids)
+    other = _logits(_other_order(family), ids)
+    for logits in (got, other):
+        assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), length=st.integers(2, 16))
+def test_lossless_stack_with_bmrt_kv_gives_plain_tokens(stacked, seed, length):
+    _, plain, model, _ = stacked
+    ids = _ids(seed, length)
+    with torch.inference_mode():
+        want = plain.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        with BMRTCache(model, BMRTConfig(budget=64)) as cache:
+            got = model.generate(
+                ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+    assert torch.equal(got, want)
+
+
+def test_refused_step_leaves_the_model_unchanged(stacked):
+    """A .zlin of the whole model handed to the sparse model (its MLPs are SparseMLPs): refused
+    by zstd-linear, naming the SparseMLP and the exclude glob to write instead, before the
+    model changes."""
+    from paired_cache import load_sparse
+    from zstd_linear import load_compressed
+
+    _, _, _, root = stacked
+    model = load_sparse(root / "dense", root / "mlp.pcpool", "cats", 1.0, rows="in_place")
+    ids = _ids(0, 12)
+    before = _logits(model, ids)
+    modules = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(CompressedFileError, match=r"is a SparseMLP.*exclude='\*\.mlp\.\*'"):
+        load_compressed(root / "full.zlin", model)
+    assert {name: type(m) for name, m in model.named_modules()} == modules
+    assert torch.equal(_logits(model, ids), before)
