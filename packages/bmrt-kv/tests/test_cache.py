@@ -206,17 +206,28 @@ def test_the_model_still_works_with_dynamic_cache_after_attaching(llama):
     assert torch.equal(before, after)
 
 
-def test_sliding_window_models_are_refused():
+def test_sliding_window_models_keep_transformers_window():
+    """A model whose every layer has a sliding window (Mistral with sliding_window set) is
+    cached as transformers caches it: each layer keeps its window, nothing is compressed."""
     from transformers import MistralConfig, MistralForCausalLM
 
+    from bmrt_kv.window import SlidingWindowLayer
+
+    torch.manual_seed(0)
     config = MistralConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         sliding_window=16,
     )
-    with pytest.raises(ValueError, match="sliding"):
-        BMRTCache(MistralForCausalLM(config), budget=16, protection_divisor=4)
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    reference = feed(model, DynamicCache(config=config), ids, 8)
+    with BMRTCache(model, budget=12, protection_divisor=3, block_size=8) as cache:
+        got = feed(model, cache, ids, 8)
+    assert all(isinstance(layer, SlidingWindowLayer) for layer in cache.layers)
+    assert cache.stored_tokens == [15, 15] and cache.token_limits == [15, 15]
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)

@@ -14,6 +14,8 @@ from bmrt_kv.errors import BMRTError
 from bmrt_kv.hooks import Attachment
 from bmrt_kv.layer import BMRTLayer
 from bmrt_kv.selectors import make_selector
+from bmrt_kv.support import plan_layers, rotary_inv_freq
+from bmrt_kv.window import SlidingWindowLayer
 
 
 class BMRTCache(Cache):
@@ -29,16 +31,26 @@ class BMRTCache(Cache):
     hand each layer its block's queries after attention; they act only on forwards that
     use this cache. They are removed, leaving the model exactly as it was, when the
     ``with`` block ends, on :meth:`detach`, or when the cache is garbage-collected.
-    Inputs must be unpadded (one sequence, or equal-length rows). Greedy and sampled
-    decoding work; beam search does not (it reorders rows of a cache whose rows keep
-    different tokens) and raises :class:`BMRTError`.
+    Full-attention layers hold at most ``budget`` tokens between forwards; the
+    sliding-window layers of a hybrid model (Gemma 2, Gemma 3) keep transformers' own
+    window (``sliding_window - 1`` tokens between forwards). Inputs must be unpadded (one
+    sequence, or equal-length rows): the first forward whose attention mask has a zero
+    raises :class:`BMRTError` before any of its layers runs. Greedy and sampled decoding work; beam search
+    does not (it reorders rows of a cache whose rows keep different tokens) and raises
+    :class:`BMRTError`.
 
     ``scoring="query_aware"`` needs the question, which ``generate`` never passes to a
     cache: use :class:`~bmrt_kv.stream.BoundedStream` with ``question=``.
 
     Args:
-        model: a Llama / Mistral / Qwen2 / Qwen3 causal LM (full attention layers only).
+        model: a transformers causal LM whose layers are full or sliding-window attention
+            (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite,
+            SmolLM3; see the README's support table).
         config: the :class:`BMRTConfig`; keyword ``overrides`` replace its fields.
+
+    Raises:
+        BMRTError: a bad config, or a model it cannot cache (naming its ``model_type`` and
+            what is missing); nothing is attached then.
     """
 
     def __init__(
@@ -61,27 +73,23 @@ class BMRTCache(Cache):
                 "passes to a cache; use BoundedStream(model, tokenizer, config, "
                 "question=...), or scoring='agnostic' with generate()"
             )
-        text_config = model.config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None)
-        if "sliding_attention" in (layer_types or []) or (
-            layer_types is None and getattr(text_config, "sliding_window", None) is not None
-        ):
-            raise BMRTError(
-                "model has sliding-window attention layers; BMRTCache supports full "
-                "attention only (set use_sliding_window=False / sliding_window=None)"
-            )
-        inv_freq = _inv_freq(model) if config.positions == "rerotate" else None
+        plans = plan_layers(model)
+        inv_freq = rotary_inv_freq(model) if config.positions == "rerotate" else None
         layers = [
             BMRTLayer(
-                config, make_selector(config.selector, config.selector_options, seed), inv_freq
+                config,
+                make_selector(config.selector, config.selector_options, config.seed * 100_003 + i),
+                inv_freq if plan.rotary else None,
             )
-            for seed in (config.seed * 100_003 + i for i in range(text_config.num_hidden_layers))
+            if plan.kind == "full"
+            else SlidingWindowLayer(plan.window)
+            for i, plan in enumerate(plans)
         ]
         super().__init__(layers=layers)
         self.config = config
         #: trailing tokens of the next forward that only score (query-aware mode).
         self.scoring_only_tokens = 0
-        self._attachment = Attachment(model, self)
+        self._attachment = Attachment(model, self, plans)
         # The hooks hold this cache weakly, so it can be collected; its hooks go with it.
         weakref.finalize(self, self._attachment.remove)
 
@@ -125,17 +133,29 @@ class BMRTCache(Cache):
 
     @property
     def stored_tokens(self) -> list[int]:
-        """Tokens each layer holds now."""
+        """Tokens each layer holds now (full-attention and sliding-window layers alike)."""
         return [layer.stored for layer in self.layers]
 
+    @property
+    def token_limits(self) -> list[int]:
+        """The most tokens each layer holds between forwards: ``budget`` for a
+        full-attention layer, ``sliding_window - 1`` for a sliding-window one."""
+        return [
+            layer.sliding_window - 1
+            if isinstance(layer, SlidingWindowLayer)
+            else self.config.budget
+            for layer in self.layers
+        ]
+
     def kv_bytes(self) -> int:
-        """Bytes of keys and values held now, all layers."""
+        """Bytes of keys and values held now, all layers (sliding-window ones included)."""
         return sum(
             layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
         )
 
     def peak_kv_bytes(self) -> int:
-        """Bytes of keys and values at each layer's largest size (during a block)."""
+        """Bytes of keys and values at each layer's largest size (during a block), all
+        layers (sliding-window ones included)."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
@@ -143,13 +163,3 @@ class BMRTCache(Cache):
                 per_token = b * h * (hd + layer.values.shape[-1]) * layer.keys.element_size()
                 total += layer.peak_tokens * per_token
         return total
-
-
-def _inv_freq(model: nn.Module) -> torch.Tensor:
-    rotary = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
-    if not rotary or not hasattr(rotary[0], "inv_freq"):
-        raise BMRTError(
-            "positions='rerotate' needs the model's rotary embedding (a rotary_emb module "
-            "with inv_freq); this model has none"
-        )
-    return rotary[0].inv_freq.detach().clone()

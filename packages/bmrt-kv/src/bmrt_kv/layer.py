@@ -23,6 +23,13 @@ class BMRTLayer(CacheLayerMixin):
     The transformers forward calls :meth:`update` (append, return everything for
     attention); the attention module's forward hook then calls :meth:`finish`, which
     compresses back to the budget with the block's queries.
+
+    Args:
+        config: the cache's :class:`BMRTConfig`.
+        selector: this layer's selector.
+        inv_freq: (rd / 2,) rotary inverse frequencies to re-rotate kept keys with
+            (``positions="rerotate"``); ``None`` keeps keys where they are (absolute
+            positions, or a layer without rotary embedding).
     """
 
     is_sliding = False
@@ -116,7 +123,7 @@ class BMRTLayer(CacheLayerMixin):
         keep = keep_indices(pool, self.seen, self.config, self.selector)
         old_stored = self.stored
         self._gather(keep)
-        if self.config.positions == "rerotate":
+        if self.config.positions == "rerotate" and self.inv_freq is not None:
             # The pool sat contiguously at [seen - old_stored, seen); the kept tokens close
             # the gaps, so kept token j moves to seen - S + j, just before the next query.
             old_slot = keep + (self.seen - old_stored)
