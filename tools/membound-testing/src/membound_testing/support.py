@@ -91,8 +91,17 @@ def markdown(m: dict) -> str:
 
 
 def summary(m: dict) -> str:
-    """One line: the families where every promise holds, and the ones refused."""
-    full = [f for f in m["families"] if all(v == WORKS for v in m["cells"].get(f, {}).values())]
-    rest = [f for f in m["families"] if f not in full]
+    """One line: the families where every promise holds, those where some are refused, and
+    those refused outright."""
+    def cells(family):
+        return list(m["cells"].get(family, {}).values())
+
+    full = [f for f in m["families"] if all(v == WORKS for v in cells(f))]
+    refused = [f for f in m["families"] if not any(v == WORKS for v in cells(f))]
+    partly = [f for f in m["families"] if f not in full and f not in refused]
     line = ", ".join(full) if full else "none"
-    return line + (f"; refused by name: {', '.join(rest)}" if rest else "")
+    if partly:
+        line += f"; partly (some promises refused by name): {', '.join(partly)}"
+    if refused:
+        line += f"; refused by name: {', '.join(refused)}"
+    return line
