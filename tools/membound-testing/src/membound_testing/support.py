@@ -93,6 +93,7 @@ def markdown(m: dict) -> str:
 def summary(m: dict) -> str:
     """One line: the families where every promise holds, those where some are refused, and
     those refused outright."""
+
     def cells(family):
         return list(m["cells"].get(family, {}).values())
 
