@@ -21,6 +21,7 @@ from paired_cache.mask_sources import (
 )
 from paired_cache.model_io import convert, load_sparse, save_dense
 from paired_cache.pool_file import PoolFile, write_pool_file
+from paired_cache.sparse_ffn import SparseFFN
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "PairedCache",
     "PairedCacheError",
     "PoolFile",
+    "SparseFFN",
     "SparseMLP",
     "UpdateInfo",
     "__version__",

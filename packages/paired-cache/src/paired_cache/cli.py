@@ -16,7 +16,8 @@ from pathlib import Path
 
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import MASK_SOURCES
-from paired_cache.sparse_mlp import PREFILL_MODES, ROW_MODES
+from paired_cache.sparse_base import PREFILL_MODES
+from paired_cache.sparse_mlp import ROW_MODES
 from paired_cache.trained_predictor import KINDS
 
 PROG = "paired-cache"

@@ -213,12 +213,16 @@ class CatsMask(MaskSource):
     def select(self, x: torch.Tensor) -> torch.Tensor:
         return self.select_with_gate(x)[0]
 
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (hidden,) -> (N,) act(gate x), the scores' source and what SparseMLP reuses."""
+        return self.act(self.gate @ x.to(self.gate.dtype))
+
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate = self.act(self.gate @ x.to(self.gate.dtype))  # (N,)
+        gate = self.activation(x)  # (N,)
         return rows_mask(self._rows(gate)[0], self.n_rows), gate
 
     def select_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rows(self.act(self.gate @ x.to(self.gate.dtype)))
+        return self._rows(self.activation(x))
 
     def _rows(self, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows (ids ascending, gate at them) this source keeps for act(gate x)."""

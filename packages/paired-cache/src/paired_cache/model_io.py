@@ -28,6 +28,7 @@ from torch import nn
 from paired_cache._pages import MappedPages, memory_groups, page_cache_room
 from paired_cache.config import CacheConfig
 from paired_cache.errors import PairedCacheError
+from paired_cache.mlp_layouts import activation, gated_weights, mlp_layout
 from paired_cache.pool_file import PoolFile, write_pool_file
 
 ST_DTYPES = {
@@ -39,6 +40,8 @@ ST_DTYPES = {
     "I32": torch.int32,
 }
 MLP_SUFFIXES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# Phi-3's MLP: gate and up in one (2N, hidden) weight, the gate's rows first.
+FUSED_SUFFIXES = ("gate_up_proj.weight", "down_proj.weight")
 
 
 class SafetensorsMap(MappedPages):
@@ -135,8 +138,14 @@ def _safetensors_files(source: Path) -> list[Path]:
 
 
 def _mlp_prefixes(names) -> list[str]:
-    """'model.layers.0.mlp' for every gate_proj/up_proj/down_proj triple, in layer order."""
-    prefixes = {n[: -len(MLP_SUFFIXES[0]) - 1] for n in names if n.endswith(MLP_SUFFIXES[0])}
+    """'model.layers.0.mlp' for every gate_proj/up_proj/down_proj triple (or fused
+    gate_up_proj/down_proj pair), in layer order."""
+    prefixes = {
+        n[: -len(first) - 1]
+        for n in names
+        for first in (MLP_SUFFIXES[0], FUSED_SUFFIXES[0])
+        if n.endswith("." + first)
+    }
 
     def key(prefix: str):
         return [int(p) if p.isdigit() else p for p in prefix.split(".")]
@@ -156,30 +165,49 @@ def iter_mlp_weights(source: str | os.PathLike) -> Iterator[tuple[str, torch.Ten
     where = {name: m for m in maps for name in m.entries}
     prefixes = _mlp_prefixes(where)
     if not prefixes:
-        raise PairedCacheError(f"{source}: no '*.mlp.gate_proj.weight' tensors (no gated MLP)")
+        # The first line names the family (a model directory's model_type) and what is
+        # missing; the second, where and what to do instead.
+        raise PairedCacheError(
+            f"{_model_type(source) or source}: no gated MLP (gate_proj, up_proj and down_proj, "
+            f"or Phi-3's gate_up_proj and down_proj), the layouts convert writes pools for\n"
+            f"{source} has no '*.gate_proj.weight' or '*.gate_up_proj.weight' tensors; "
+            f"non-gated fc1 / fc2 MLPs (GPT-NeoX, Phi-2, OPT) are sparsified in memory with "
+            f"sparsify_model"
+        )
     for prefix in prefixes:
-        names = [f"{prefix}.{s}" for s in MLP_SUFFIXES]
+        fused = f"{prefix}.{MLP_SUFFIXES[0]}" not in where
+        names = [f"{prefix}.{s}" for s in (FUSED_SUFFIXES if fused else MLP_SUFFIXES)]
         missing = [n for n in names if n not in where]
         if missing:
             raise PairedCacheError(f"{source}: {prefix} lacks {missing}")
-        yield (prefix, *(where[n].tensor(n) for n in names))
+        tensors = [where[n].tensor(n) for n in names]
+        if fused:
+            gate_up, down = tensors
+            n = gate_up.shape[0] // 2
+            tensors = [gate_up[:n], gate_up[n:], down]  # row blocks: contiguous views
+        yield (prefix, *tensors)
+
+
+def _model_type(source: Path) -> str:
+    """The model_type in the config.json of a model directory, else ''."""
+    config = source / "config.json" if source.is_dir() else None
+    if config is None or not config.is_file():
+        return ""
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return model_type if isinstance(model_type, str) else ""
 
 
 def _gguf_mlp_weights(path: Path):
     from transformers import AutoModelForCausalLM
 
-    from paired_cache.sparse_mlp import is_gated_mlp
-
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
     for name, module in model.named_modules():
-        if is_gated_mlp(module):
-            yield (
-                name,
-                *(
-                    p.weight.detach().contiguous()
-                    for p in (module.gate_proj, module.up_proj, module.down_proj)
-                ),
-            )
+        layout = mlp_layout(module)
+        if layout is not None and layout.gated:
+            yield (name, *gated_weights(module, layout))
 
 
 class _Progress:
@@ -243,9 +271,9 @@ def save_dense(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -
     from safetensors.torch import save_model
 
     from paired_cache.pool_file import umask_mode
-    from paired_cache.sparse_mlp import SAVE_REFUSED, SparseMLP
+    from paired_cache.sparse_base import SAVE_REFUSED, CachedMLP
 
-    if any(isinstance(m, SparseMLP) for m in model.modules()):
+    if any(isinstance(m, CachedMLP) for m in model.modules()):
         raise PairedCacheError(f"save_dense: {SAVE_REFUSED}")
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -331,7 +359,7 @@ def load_sparse(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from paired_cache.sparse_mlp import SparseMLP, check_prefill, guard_sparse_model, is_gated_mlp
+    from paired_cache.sparse_mlp import SparseMLP, check_prefill, guard_sparse_model
 
     check_prefill(prefill)
     if rows is None:
@@ -357,14 +385,20 @@ def load_sparse(
     maps = [SafetensorsMap(p, random_access=read_ahead) for p in _safetensors_files(model_dir)]
     where = {name: m for m in maps for name in m.entries}
     used: set[str] = set()  # the mapped tensors the model reads
-    dtypes = {where[n].entries[n][0] for n in where if n.endswith(MLP_SUFFIXES[0])}
+    dtypes = {
+        where[n].entries[n][0] for n in where if n.endswith((MLP_SUFFIXES[0], FUSED_SUFFIXES[0]))
+    }
     if dtypes and dtypes != {pools.dtype}:
         raise PairedCacheError(
             f"{pool_path} holds {pools.dtype} pools but {model_dir}'s MLPs are {sorted(map(str, dtypes))}"
         )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=pools.dtype)
-    mlp_names = [name for name, module in model.named_modules() if is_gated_mlp(module)]
+    mlp_names = [
+        name
+        for name, module in model.named_modules()
+        if (layout := mlp_layout(module)) is not None and layout.gated
+    ]
     if [pools.layers[i].name for i in range(len(pools.layers))] != mlp_names:
         raise PairedCacheError(
             f"{pool_path} holds layers {[layer.name for layer in pools.layers][:3]}..., the model "
@@ -384,15 +418,18 @@ def load_sparse(
         mlp = getattr(parent, child)
         # The mask source scores with the contiguous gate_proj of the safetensors when they
         # hold it: the pool's gate block shares its pages with the up and down rows.
-        gate_key = f"{name}.gate_proj.weight"
         gate = None
-        if gate_key in where:
-            gate = where[gate_key].tensor(gate_key)
-            used.add(gate_key)
+        for suffix in (MLP_SUFFIXES[0], FUSED_SUFFIXES[0]):
+            gate_key = f"{name}.{suffix}"
+            if gate_key in where:
+                gate = where[gate_key].tensor(gate_key)
+                gate = gate[: gate.shape[0] // 2] if suffix == FUSED_SUFFIXES[0] else gate
+                used.add(gate_key)
+                break
         sparse = SparseMLP.from_pool_file(
             pools,
             name,
-            mlp.act_fn,
+            activation(mlp, mlp_layout(mlp)),
             source,
             fraction,
             config=config,
@@ -418,6 +455,14 @@ def load_sparse(
         embed.weight = head.weight = weight
     for module_name, module in list(model.named_modules()):
         if module_name and any(b.is_meta for b in module.buffers(recurse=False)):
+            scale = module._buffers.get("embed_scale")
+            if scale is not None and scale.is_meta and hasattr(module, "scalar_embed_scale"):
+                # Gemma's scaled embedding keeps its scale (sqrt(hidden)) in a buffer it does
+                # not save: made again from the float it keeps beside it.
+                module._buffers["embed_scale"] = torch.tensor(
+                    module.scalar_embed_scale, dtype=scale.dtype
+                )
+                continue
             if not type(module).__name__.endswith("RotaryEmbedding"):
                 continue  # left for the check below, which names it
             # Rotary embeddings' inv_freq is computed from the config, not stored.

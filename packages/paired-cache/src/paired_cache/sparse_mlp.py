@@ -1,4 +1,6 @@
-"""SparseMLP: a gated MLP (Llama/Qwen style) computed over its cached active rows only."""
+"""SparseMLP: a gated MLP (SwiGLU, GeGLU) computed over its cached active rows only; and
+sparsify_model, which puts a SparseMLP (gated) or a SparseFFN (non-gated) in place of
+every MLP of a model."""
 
 from __future__ import annotations
 
@@ -21,7 +23,23 @@ from paired_cache.mask_sources import (
     mask_rows,
     source_class,
 )
+from paired_cache.mlp_layouts import (
+    MLPLayout,
+    activation,
+    describe,
+    gated_weights,
+    linears,
+    mlp_layout,
+)
 from paired_cache.pool_file import PoolFile
+from paired_cache.sparse_base import (
+    SAVE_REFUSED,
+    CachedMLP,
+    check_not_offloaded,
+    check_prefill,
+    check_window,
+)
+from paired_cache.sparse_ffn import FFN_SOURCES, SparseFFN
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -33,18 +51,6 @@ MIN_CALIBRATION_TOKENS = 16
 # rows (anonymous memory, updated by the rows that change); "in_place", the (mapped) pool
 # itself, each token's rows gathered into temporaries freed after the layer.
 ROW_MODES = ("copy", "in_place")
-# How a forward of several tokens (a prompt) runs its MLP: "sparse", one mask per token,
-# as in decoding; "dense", every row at once, as the dense MLP does.
-PREFILL_MODES = ("sparse", "dense")
-
-SAVE_REFUSED = (
-    "a SparseMLP keeps its weights in its paired cache (C memory, or the mapped pool file), "
-    "not in parameters, so a state_dict or save_pretrained checkpoint would hold no MLP "
-    "weights. Save the dense model instead, before sparsify_model (paired_cache.save_dense("
-    "model, MODEL_DIR), or save_pretrained), write its neuron pools with "
-    "paired_cache.convert(MODEL_DIR, POOL) (or `paired-cache convert MODEL_DIR POOL`), and "
-    "load both back with paired_cache.load_sparse(MODEL_DIR, POOL, source, fraction)"
-)
 
 
 def is_gated_mlp(module: nn.Module) -> bool:
@@ -52,7 +58,7 @@ def is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, part) for part in GATED_MLP_PARTS)
 
 
-class SparseMLP(nn.Module):
+class SparseMLP(CachedMLP):
     """down(act(gate x) * up x) over the rows a mask source picks for each token.
 
     The PairedCache holds the weights (pools) and the packed active rows; gate and up of
@@ -123,28 +129,6 @@ class SparseMLP(nn.Module):
         self.tokens = 0
         self.pool_rows_read = 0
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        raise PairedCacheError(f"{prefix.rstrip('.') or 'SparseMLP'}: {SAVE_REFUSED}")
-
-    def check_move(self, fn) -> None:
-        """Refuse a Module._apply function (.to, .half, .cuda, ...) that would change the
-        dtype or device of a tensor: the cache's C buffers cannot follow it."""
-        probe = torch.zeros(1, dtype=self.cache.dtype)
-        moved = fn(probe)
-        if isinstance(moved, torch.Tensor) and (
-            moved.dtype != probe.dtype or moved.device != probe.device
-        ):
-            raise PairedCacheError(
-                f"a SparseMLP's weights are {self.cache.dtype} CPU memory in its paired cache "
-                f"and cannot become {moved.dtype} on {moved.device}: move or convert the dense "
-                f"model before sparsify_model, or load_sparse a pool file converted from a "
-                f"checkpoint in that dtype"
-            )
-
-    def _apply(self, fn, recurse: bool = True):
-        self.check_move(fn)
-        return super()._apply(fn, recurse)
-
     @property
     def pool_bytes_read(self) -> int:
         """Bytes copied from the neuron pool into the active rows since construction.
@@ -181,17 +165,19 @@ class SparseMLP(nn.Module):
         prefill: str = "sparse",
         **options,
     ) -> SparseMLP:
-        """Wrap a gated MLP; source names a MASK_SOURCES entry, calibration is (T, hidden)
-        inputs of this MLP for the sources that fit to data; window: tokens whose masks'
-        union stays resident (1: only the current token's rows); prefill: how a forward of
-        several tokens runs, see SparseMLP.prefill."""
+        """Wrap a gated MLP (gate_proj, up_proj, down_proj and act_fn, or Phi-3's fused
+        gate_up_proj, down_proj and activation_fn); source names a MASK_SOURCES entry,
+        calibration is (T, hidden) inputs of this MLP for the sources that fit to data;
+        window: tokens whose masks' union stays resident (1: only the current token's
+        rows); prefill: how a forward of several tokens runs, see SparseMLP.prefill."""
         check_mlp(mlp)
         check_prefill(prefill)
         source_class(source)
         check_window(window)
-        parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        layout = mlp_layout(mlp)
+        act = activation(mlp, layout)
         with torch.no_grad():
-            gate, up, down = (p.weight.detach().contiguous() for p in parts)
+            gate, up, down = gated_weights(mlp, layout)
             n = gate.shape[0]
             capacity = window_capacity(active_rows(fraction, n), n, window)
             # A source that computes act(gate x) itself hands it over: no active gate rows.
@@ -201,9 +187,9 @@ class SparseMLP(nn.Module):
             )
             # The source reads the cache's pools: no second copy of gate and up.
             src = make_source(
-                source, cache.gate_pool, cache.up_pool, mlp.act_fn, fraction, calibration, **options
+                source, cache.gate_pool, cache.up_pool, act, fraction, calibration, **options
             )
-        return cls(cache, mlp.act_fn, src, window, prefill=prefill)
+        return cls(cache, act, src, window, prefill=prefill)
 
     @classmethod
     def from_pool_file(
@@ -411,34 +397,17 @@ class SparseMLP(nn.Module):
 def check_mlp(mlp: nn.Module, name: str = "") -> None:
     """Refuse, before anything is copied, an MLP that SparseMLP cannot take."""
     what = name or type(mlp).__name__
-    if isinstance(mlp, SparseMLP):
-        raise PairedCacheError(f"{what} is already a SparseMLP: the model is already sparsified")
-    if not is_gated_mlp(mlp):
+    if isinstance(mlp, CachedMLP):
+        raise PairedCacheError(
+            f"{what} is already a {type(mlp).__name__}: the model is already sparsified"
+        )
+    layout = mlp_layout(mlp)
+    if layout is None or not layout.gated:
         raise PairedCacheError(f"{what} is not a gated MLP (needs {GATED_MLP_PARTS})")
-    parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    parts = linears(mlp, layout)
     if any(getattr(p, "bias", None) is not None for p in parts):
         raise PairedCacheError("SparseMLP supports bias-free projections only")
-    # The registered parameter, not getattr: a compressed linear's weight property decodes.
-    weights = [getattr(p, "_parameters", {}).get("weight") for p in parts]
-    if any(isinstance(w, torch.Tensor) and w.is_meta for w in weights):
-        raise PairedCacheError(
-            f"{what}: its weights are on the meta device (offloaded by accelerate: a "
-            f"device_map with 'disk' or 'cpu' offload, or init_empty_weights); offloaded "
-            f"weights are not supported, the cache copies them from CPU memory. Load the "
-            f"model without offload (no device_map, or device_map={{'': 'cpu'}}), or keep "
-            f"the MLPs on storage the package's way: paired_cache.convert(MODEL_DIR, POOL) "
-            f"and paired_cache.load_sparse(MODEL_DIR, POOL, ...)"
-        )
-
-
-def check_prefill(prefill) -> None:
-    if not isinstance(prefill, str) or prefill not in PREFILL_MODES:
-        raise PairedCacheError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-
-
-def check_window(window) -> None:
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1024:
-        raise PairedCacheError(f"window must be an int in [1, 1024] tokens, got {window!r}")
+    check_not_offloaded(parts, what)
 
 
 def window_capacity(k: int, n_rows: int, window: int) -> int:
@@ -464,7 +433,8 @@ def collect_mlp_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, t
     inputs: dict[str, torch.Tensor] = {}
     hooks = []
     for name, module in model.named_modules():
-        if is_gated_mlp(module):
+        layout = mlp_layout(module)
+        if layout is not None and layout.gated:
 
             def hook(_module, args, name=name):
                 x = args[0]
@@ -480,6 +450,53 @@ def collect_mlp_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, t
     return inputs
 
 
+def model_family(model: nn.Module) -> str:
+    """The model's transformers model_type (e.g. 'gpt_neox'), else its class name."""
+    return getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+
+
+def find_mlps(model: nn.Module) -> list[tuple[str, MLPLayout]]:
+    """(name, layout) of every MLP of model that a layout describes, in module order."""
+    return [
+        (name, layout)
+        for name, module in model.named_modules()
+        if (layout := mlp_layout(module)) is not None
+    ]
+
+
+def check_ffn(module: nn.Module, layout: MLPLayout, name: str, family: str, source: str) -> None:
+    """Refuse, before anything is copied, a non-gated MLP that SparseFFN cannot take with
+    this mask source."""
+    if source not in FFN_SOURCES:
+        # The first line names the family and what is missing; the second, what works.
+        raise PairedCacheError(
+            f"{family}: mask source {source!r} needs a gated MLP (act(gate x) * up x); "
+            f"{name} is {describe(layout)}\na non-gated MLP takes {list(FFN_SOURCES)} "
+            f"(CATS keeps the rows with the largest |act(fc1 x + b1)|)"
+        )
+    check_not_offloaded(linears(module, layout), name)
+
+
+def _put_ffn(model: nn.Module, name: str, layout: MLPLayout, sparse: SparseFFN) -> None:
+    """Replace a module that is only fc1, act and fc2 (PhiMLP, GPTNeoXMLP) by sparse; in a
+    module that holds more (OPT's decoder layer), sparse takes fc1's place and computes the
+    whole MLP, and act and fc2 become identities."""
+    module = model.get_submodule(name)
+    children = {child for child, _ in module.named_children()}
+    if children <= set(layout.parts):
+        _replace(model, name, sparse)
+        return
+    fc1, fc2, act = layout.parts
+    setattr(module, fc1, sparse)
+    setattr(module, act, nn.Identity())
+    setattr(module, fc2, nn.Identity())
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
+
+
 def sparsify_model(
     model: nn.Module,
     source: str,
@@ -489,34 +506,50 @@ def sparsify_model(
     window: int = 1,
     prefill: str = "sparse",
     **options,
-) -> list[SparseMLP]:
-    """Replace every gated MLP of model by a SparseMLP in place and return them in order.
+) -> list[SparseMLP | SparseFFN]:
+    """Replace every MLP of model by a SparseMLP (gated: SwiGLU, GeGLU, Phi-3's fused
+    gate_up_proj) or a SparseFFN (non-gated fc1 / fc2: GPT-NeoX, Phi-2, OPT) in place and
+    return them in order. A non-gated MLP takes source "cats" only, and window 1.
 
     calibration_ids: (1, T) or (T,) integer token ids, T >= MIN_CALIBRATION_TOKENS, whose
     MLP inputs fit the "lowrank" and "fixed" sources. Every argument and every MLP is
-    checked before the first one is replaced.
+    checked before the first one is replaced; a refusal names the model's family.
 
     The sparsified model cannot be saved with save_pretrained or state_dict (they raise:
     the weights live in the caches) nor moved to another dtype or device (raises); see
     SAVE_REFUSED for the package's own save path.
     """
-    sparse_already = [name for name, m in model.named_modules() if isinstance(m, SparseMLP)]
-    names = [name for name, module in model.named_modules() if is_gated_mlp(module)]
+    family = model_family(model)
+    sparse_already = [name for name, m in model.named_modules() if isinstance(m, CachedMLP)]
     if sparse_already:
         raise PairedCacheError(
-            f"{type(model).__name__} is already sparsified ({len(sparse_already)} SparseMLP "
-            f"modules, e.g. {sparse_already[0]}): sparsify a freshly loaded dense model to "
-            f"change the source or fraction"
+            f"{type(model).__name__} is already sparsified ({len(sparse_already)} "
+            f"{type(model.get_submodule(sparse_already[0])).__name__} modules, e.g. "
+            f"{sparse_already[0]}): sparsify a freshly loaded dense model to change the "
+            f"source or fraction"
         )
-    if not names:
+    found = find_mlps(model)
+    if not found:
         raise PairedCacheError(
-            f"{type(model).__name__} has no gated MLP (modules with {GATED_MLP_PARTS})"
+            f"{family}: {type(model).__name__} has no MLP that paired-cache knows; it "
+            f"sparsifies gated MLPs (modules with {GATED_MLP_PARTS}, or Phi-3's gate_up_proj, "
+            f"down_proj and activation_fn) and non-gated ones (dense_h_to_4h, dense_4h_to_h "
+            f"and act, as GPT-NeoX; fc1, fc2 and activation_fn, as Phi-2 and OPT)"
         )
     needs_calibration = source_class(source).needs_calibration
     check_window(window)
     check_prefill(prefill)
-    for name in names:
-        check_mlp(model.get_submodule(name), name)
+    for name, layout in found:
+        module = model.get_submodule(name)
+        if layout.gated:
+            check_mlp(module, name)
+            continue
+        check_ffn(module, layout, name, family, source)
+        if window != 1:
+            raise PairedCacheError(
+                f"{family}: window={window} keeps several tokens' rows resident, which only "
+                f"a gated MLP supports; {name} is {describe(layout)}: use window=1"
+            )
     if calibration_ids is not None:
         calibration_ids = _check_calibration_ids(calibration_ids)
     elif needs_calibration:
@@ -525,21 +558,35 @@ def sparsify_model(
             f"T >= {MIN_CALIBRATION_TOKENS}"
         )
     calibration = collect_mlp_inputs(model, calibration_ids) if calibration_ids is not None else {}
-    replaced = []
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        sparse = SparseMLP.from_mlp(
-            getattr(parent, child),
-            source,
-            fraction,
-            calibration.get(name),
-            config,
-            window,
-            prefill,
-            **_layer_options(options, len(replaced)),
-        )
-        setattr(parent, child, sparse)
+    replaced: list[SparseMLP | SparseFFN] = []
+    for name, layout in found:
+        module = model.get_submodule(name)
+        layer_options = _layer_options(options, len(replaced))
+        if layout.gated:
+            sparse = SparseMLP.from_mlp(
+                module,
+                source,
+                fraction,
+                calibration.get(name),
+                config,
+                window,
+                prefill,
+                **layer_options,
+            )
+            _replace(model, name, sparse)
+        else:
+            fc1, fc2 = linears(module, layout)
+            sparse = SparseFFN.from_linears(
+                fc1,
+                fc2,
+                activation(module, layout),
+                source,
+                fraction,
+                config,
+                prefill,
+                **layer_options,
+            )
+            _put_ffn(model, name, layout, sparse)
         replaced.append(sparse)
     guard_sparse_model(model)
     return replaced
@@ -574,7 +621,7 @@ def _checked_apply(self, fn, recurse: bool = True):
     # the whole model as it was (Module._apply would convert the modules before the first
     # SparseMLP, then raise).
     for module in self.modules():
-        if isinstance(module, SparseMLP):
+        if isinstance(module, CachedMLP):
             module.check_move(fn)
     return type(self)._apply(self, fn, recurse)
 
@@ -582,7 +629,7 @@ def _checked_apply(self, fn, recurse: bool = True):
 def guard_sparse_model(model: nn.Module) -> None:
     """Make model.save_pretrained refuse before it writes anything, and model.to() /
     .half() / ... check every SparseMLP before converting any module."""
-    if isinstance(model, SparseMLP):
+    if isinstance(model, CachedMLP):
         return
     if hasattr(model, "save_pretrained"):
         model.save_pretrained = types.MethodType(_refuse_save_pretrained, model)
