@@ -315,3 +315,30 @@ def test_a_layer_not_kept_reads_its_picked_rows_only(model_dir, pool_path, franc
     with torch.no_grad():
         model(france[:, :1])
     assert set(asked) == whole
+
+
+def test_modules_replaced_after_loading_leave_the_blocks_at_the_first_forward(
+    model_dir, pool_path, france
+):
+    """Another package replacing modules after load_sparse (zstd-linear's load_compressed of
+    the attention and the tied embedding, say): at the first forward their mapped tensors
+    leave the blocks, so nothing reads them ahead or keeps them cached; the rest stay."""
+    model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="in_place", keep_cached=0)
+    keeper = model.page_keeper
+    sizes = list(keeper.sizes)
+    attn = model.model.layers[3].self_attn
+    held = attn.q_proj.weight.numel() * 4
+    replacement = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+    with torch.no_grad():
+        replacement.weight.copy_(attn.q_proj.weight)
+    attn.q_proj = replacement
+    with torch.no_grad():
+        model(france[:, :4])
+    assert keeper.sizes[3] == sizes[3] - held  # layer 3 lost its q_proj's bytes only
+    assert keeper.sizes[:3] + keeper.sizes[4:] == sizes[:3] + sizes[4:]
+    names = {name for _, own in keeper.blocks for _, name in own}
+    assert "model.layers.3.self_attn.q_proj.weight" not in names
+    assert "model.layers.4.self_attn.q_proj.weight" in names
+    # The pool has no gate: each SparseMLP scores with gate_proj mapped from the
+    # safetensors, which the model holds outside any module of that name.
+    assert "model.layers.3.mlp.gate_proj.weight" in names

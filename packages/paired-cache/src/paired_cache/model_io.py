@@ -486,6 +486,14 @@ def load_sparse(
         blocks += [head] if head else []
         extra = [*pool_ranges, []][: len(blocks)]
         keeper = None
+
+        def prune_once(_model, _args) -> None:
+            _prune_replaced(model, blocks)
+            if keeper is not None:
+                keeper.measure()
+            handle.remove()
+
+        handle = model.register_forward_pre_hook(prune_once)
         if keep_cached is not None:
             keeper = model.page_keeper = PageKeeper(blocks, extra, keep_cached)
             keeper.attach()
@@ -505,6 +513,26 @@ def load_sparse(
 
 
 Block = tuple[nn.Module, list[tuple[SafetensorsMap, str]]]
+
+
+def _prune_replaced(model: nn.Module, blocks: list[Block]) -> None:
+    """At the first forward, drop from each block the mapped tensors the model no longer
+    holds: a module replaced after load_sparse returned (another package's, such as
+    zstd-linear's load_compressed of the attention projections and the embedding) reads
+    its weights elsewhere, and reading its old ranges ahead, or keeping them cached, would
+    read bytes no forward uses."""
+    for _module, own in blocks:
+        own[:] = [(mapping, name) for mapping, name in own if _still_held(model, mapping, name)]
+
+
+def _still_held(model: nn.Module, mapping: SafetensorsMap, name: str) -> bool:
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return True  # not a module of the model's: a SparseMLP's gate, which it reads
+    held = module._parameters.get(attr, module._buffers.get(attr))
+    return held is not None and held.data_ptr() == mapping.tensor(name).data_ptr()
 
 
 def _layer_block(model: nn.Module, prefix: str, where, used: set[str]) -> Block:
@@ -547,12 +575,9 @@ class PageKeeper:
     MARGIN = 4 * 2**20
 
     def __init__(self, blocks: list[Block], extra, keep: int | str) -> None:
+        self.blocks, self.extra = blocks, extra
         self.modules = [module for module, _ in blocks]
-        self.ranges = [
-            _tensor_ranges(own) + more for (_, own), more in zip(blocks, extra, strict=True)
-        ]
-        self.sizes = [sum(end - begin for _, (begin, end) in r) for r in self.ranges]
-        self.order = sorted(range(len(blocks)), key=lambda i: (-self.sizes[i], i))
+        self.measure()
         self.keep = keep
         self.kept: set[int] = set(range(len(blocks)))  # the blocks kept cached this token
         self.paged_out = 0  # bytes asked to be paged out, over the model's life
@@ -560,6 +585,15 @@ class PageKeeper:
         # "auto" found, at this token, no memory limit or one that leaves room for twice
         # everything the blocks read: nothing of the model's is paged out or pressed.
         self.roomy = False
+
+    def measure(self) -> None:
+        """The ranges and sizes of the blocks' tensors (again after they were pruned)."""
+        self.ranges = [
+            _tensor_ranges(own) + more
+            for (_, own), more in zip(self.blocks, self.extra, strict=True)
+        ]
+        self.sizes = [sum(end - begin for _, (begin, end) in r) for r in self.ranges]
+        self.order = sorted(range(len(self.blocks)), key=lambda i: (-self.sizes[i], i))
 
     def _in_flight(self, kept: set[int]) -> int:
         n = len(self.sizes)
@@ -651,11 +685,16 @@ def _add_read_ahead(blocks: list[Block], extra=None, extra_wanted=None, roomy=No
             (m, r, j) for m, r in extra[j]
         ]
 
-    for i, (module, _own) in enumerate(blocks):
-        after = (i + 1) % len(blocks)
-        wanted = tagged(after) if i else tagged(0) + tagged(after)
+    asks: dict[int, list] = {}  # block -> ranges it asks for, set at its first call (the
+    # blocks' tensors are pruned at the model's first forward: _prune_replaced)
 
-        def ask(_module, _args, wanted=wanted, first=i == 0) -> None:  # args unchanged
+    for i, (module, _own) in enumerate(blocks):
+
+        def ask(_module, _args, i=i, first=i == 0) -> None:  # args unchanged
+            if i not in asks:
+                after = (i + 1) % len(blocks)
+                asks[i] = tagged(after) if i else tagged(0) + tagged(after)
+            wanted = asks[i]
             token[0] += first
             trust = roomy is not None and roomy()
             for mapping, (begin, end), j in wanted:
