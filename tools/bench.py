@@ -1,9 +1,11 @@
 """Run every package's benchmarks in its own environment and render the measured tables.
 
 `hatch run bench` runs `hatch run <package>:bench` for each package (each benchmark writes
-JSON to packages/<package>/benchmarks/results/), then rewrites the "Measured" section of
-the root README and of each package README from that JSON. `--render-only` skips the runs.
-Only JSON written by a real run is rendered; every table carries its date and machine.
+JSON to packages/<package>/benchmarks/results/), then renders that JSON: every table of a
+package into packages/<package>/benchmarks/RESULTS.md (the package README's "Measured"
+section links to it), and the budget runner's and the demo's tables into the root
+README's. `--render-only` skips the runs. Only JSON written by a real run is rendered;
+every table carries its date, machine and command.
 """
 
 from __future__ import annotations
@@ -44,6 +46,27 @@ def replace_section(path: Path, body: str) -> bool:
     return True
 
 
+RESULTS_LINK = (
+    "Every measured table, with its date, machine and the command that wrote it: "
+    "[benchmarks/RESULTS.md](benchmarks/RESULTS.md)."
+)
+
+
+def write_results_page(package: str, results: list[dict]) -> Path:
+    """packages/<package>/benchmarks/RESULTS.md: every table of the package's results."""
+    path = ROOT / "packages" / package / "benchmarks" / "RESULTS.md"
+    head = (
+        f"# {package}: measured\n\nRendered by `tools/bench.py` from the JSON in "
+        "[results/](results/), each table as its benchmark wrote it; newer rows and "
+        "findings are summarised in the [README](../README.md).\n\n"
+    )
+    body = "\n".join(render_result(r, heading="##") for r in results)
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(head + body.rstrip() + "\n")
+    tmp.replace(path)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--render-only", action="store_true", help="render existing JSON only")
@@ -78,13 +101,16 @@ def main() -> int:
     if demo.is_file():
         with open(demo) as f:
             sections.append(render_result(json.load(f)))
+    links = []
     for package in PACKAGES:
         results = load_results(package)
         if not results:
             continue
-        body = "\n".join(render_result(r) for r in results)
-        replace_section(ROOT / "packages" / package / "README.md", body)
-        sections.append(body)
+        write_results_page(package, results)
+        replace_section(ROOT / "packages" / package / "README.md", RESULTS_LINK)
+        links.append(f"- {package}: [RESULTS.md](packages/{package}/benchmarks/RESULTS.md)")
+    if links:
+        sections.append("Every package's other tables:\n\n" + "\n".join(links))
     if sections:
         replace_section(ROOT / "README.md", "\n".join(sections))
         print("\n".join(sections))
