@@ -58,6 +58,26 @@ def test_quantization_group_size_zero_is_refused_not_sigfpe(model_dir, tmp_path)
         load_cached_model(path)
 
 
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"group_size": 64, "bits": 7}, r"\['model.layers.0.mlp.gate'\] bits = 7"),
+        ({"group_size": 64}, r"\['model.layers.0.mlp.gate'\] = .*group_size, bits"),
+        ({"group_size": 64, "bits": 8, "scale": 2}, r"\['model.layers.0.mlp.gate'\] = "),
+        (8, r"\['model.layers.0.mlp.gate'\] = 8, expected a layer's"),
+    ],
+)
+def test_bad_per_layer_quantization_is_refused(model_dir, tmp_path, entry, match):
+    """Per-layer settings, as mlx_lm.convert writes them for a router, are checked like
+    the default ones (the support matrix loads valid ones)."""
+    path = foreign_copy(model_dir("qwen3_moe", 4), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"]["model.layers.0.mlp.gate"] = entry
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExpertCacheError, match=r"config\.json: quantization" + match):
+        load_cached_model(path)
+
+
 def _two_tensors(tmp_path):
     path = tmp_path / "model.safetensors"
     mx.save_safetensors(str(path), {"a": mx.zeros((4, 8)), "b": mx.ones((4, 8))})

@@ -29,9 +29,10 @@ from moe_expert_cache.checked_json import (
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.safetensors_io import SafetensorsShard, TensorInfo, open_shards
 
-# mlx-lm stores each MoE layer's experts stacked: <block>.switch_mlp.<proj>.<param>, (E, ...).
+# mlx-lm stores each MoE layer's experts stacked: <block>.<switch>.<proj>.<param>, (E, ...),
+# where the switch module is ``switch_mlp`` (``experts`` in GPT-OSS).
 _EXPERT_KEY = re.compile(
-    r"^(?P<block>.+\.(?:mlp|block_sparse_moe))\.switch_mlp\."
+    r"^(?P<block>.+\.(?:mlp|block_sparse_moe))\.(?P<switch>switch_mlp|experts)\."
     r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<param>weight|scales|biases|bias)$"
 )
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -45,7 +46,8 @@ class ExpertStore:
     """Reads a model directory's shards; experts by byte range, everything else whole.
 
     ``blocks`` maps a MoE block's module path (``model.layers.3.mlp``) to
-    ``{proj: {param: TensorInfo}}`` where each tensor is stacked ``(E, ...)``.
+    ``{proj: {param: TensorInfo}}`` where each tensor is stacked ``(E, ...)``;
+    ``switch_names[block]`` names the block's expert module (``switch_mlp`` or ``experts``).
     ``bytes_read[block]`` counts the expert bytes copied out of the shards.
     ``integrity``: the directory's verified integrity record, or ``None``.
     """
@@ -60,7 +62,7 @@ class ExpertStore:
             self._infos.update(shard.tensors)
         try:
             self.integrity = _read_integrity(self.model_dir, shards)
-            self.blocks = _expert_blocks(self._infos, self.model_dir)
+            self.blocks, self.switch_names = _expert_blocks(self._infos, self.model_dir)
         except BaseException:
             self.close()
             raise
@@ -136,6 +138,7 @@ class ExpertStore:
 
 def _expert_blocks(infos: dict[str, TensorInfo], model_dir: Path):
     blocks: dict[str, dict[str, dict[str, TensorInfo]]] = defaultdict(lambda: defaultdict(dict))
+    switch_names: dict[str, str] = {}
     for name, info in infos.items():
         m = _EXPERT_KEY.match(name)
         if m:
@@ -143,6 +146,11 @@ def _expert_blocks(infos: dict[str, TensorInfo], model_dir: Path):
                 raise ExpertCacheError(
                     f"{info.shard}: expert tensor {name!r} has shape {list(info.shape)}, "
                     "expected (num_experts >= 1, ...)"
+                )
+            if switch_names.setdefault(m["block"], m["switch"]) != m["switch"]:
+                raise ExpertCacheError(
+                    f"{model_dir}: {m['block']}: expert tensors under both "
+                    f"{m['block']}.switch_mlp and {m['block']}.experts; expected one of them"
                 )
             blocks[m["block"]][m["proj"]][m["param"]] = info
     out = {b: {p: dict(v) for p, v in projs.items()} for b, projs in blocks.items()}
@@ -164,7 +172,7 @@ def _expert_blocks(infos: dict[str, TensorInfo], model_dir: Path):
                     f"{model_dir}: {block}: the projections' {param} tensors disagree on "
                     f"the dtype {sorted(dtypes)}"
                 )
-    return out
+    return out, switch_names
 
 
 def _crc_record(shard: SafetensorsShard) -> dict:

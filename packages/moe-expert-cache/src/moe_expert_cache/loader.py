@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from moe_expert_cache.block_registry import BLOCKS, supported_model_types
 from moe_expert_cache.cached_layers import check_projection, cut_to_slots
 from moe_expert_cache.config import CacheConfig
 from moe_expert_cache.errors import ExpertCacheError
@@ -19,13 +20,14 @@ from moe_expert_cache.layer_cache import LayerCache
 from moe_expert_cache.manager import ExpertCacheManager
 from moe_expert_cache.mapped_embedding import EMBEDDING_KEY, map_embedding
 from moe_expert_cache.model_config import read_model_config
-from moe_expert_cache.moe_blocks import BLOCKS, block_top_k
+from moe_expert_cache.moe_blocks import block_top_k
 from moe_expert_cache.policies import make_policy
 from moe_expert_cache.prefetch import SpeculativePrefetch, check_decoder_layer
 from moe_expert_cache.safetensors_io import FLOAT_DTYPES, TensorInfo
 from moe_expert_cache.slots import ExpertSlots
 
 MOE_ATTRS = ("mlp", "block_sparse_moe")
+SWITCH_ATTRS = ("switch_mlp", "experts")
 
 
 @dataclass
@@ -39,13 +41,16 @@ class CachedModel:
 
 
 def find_moe_blocks(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """``(decoder layer, attribute, module path)`` of every block with a ``switch_mlp``."""
+    """``(decoder layer, attribute, module path)`` of every block with a ``switch_mlp``
+    (or, as GPT-OSS names it, ``experts``) module."""
     paths = {id(m): name for name, m in model.named_modules()}
     found = []
     for layer in getattr(model, "layers", []):
         for attr in MOE_ATTRS:
             block = getattr(layer, attr, None) if attr in layer else None
-            if isinstance(block, nn.Module) and "switch_mlp" in block:
+            if isinstance(block, nn.Module) and any(
+                isinstance(block.get(name), nn.Module) for name in SWITCH_ATTRS
+            ):
                 found.append((layer, attr, f"{paths[id(layer)]}.{attr}"))
     return found
 
@@ -82,7 +87,7 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
     if not found:
         raise ExpertCacheError(
             f"{type(model).__module__} has no MoE layers "
-            f"(no layer.mlp.switch_mlp or layer.block_sparse_moe.switch_mlp)"
+            f"(no layer.mlp.switch_mlp, layer.mlp.experts or layer.block_sparse_moe.switch_mlp)"
         )
     blocks = [getattr(layer, attr) for layer, attr, _ in found]
     for block, (layer, _, path) in zip(blocks, found, strict=True):
@@ -91,18 +96,29 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
             raise ExpertCacheError(
                 f"{path}: MoE block {type(block).__name__} is not one of {names}"
             )
-        if not isinstance(block.switch_mlp, SwitchGLU):
+        if getattr(block, "sharding_group", None) is not None:
             raise ExpertCacheError(
-                f"{path}: switch_mlp is {type(block.switch_mlp).__name__}, not SwitchGLU"
+                f"{path}: sharded (distributed) {type(block).__name__} blocks are not supported"
+            )
+        switch_attr = BLOCKS[type(block)].switch_attr
+        switch = getattr(block, switch_attr)
+        if not isinstance(switch, SwitchGLU):
+            raise ExpertCacheError(
+                f"{path}: {switch_attr} is {type(switch).__name__}, not SwitchGLU"
             )
         if path not in store.blocks:
             raise ExpertCacheError(f"{path}: no stacked expert tensors in {store.model_dir}")
+        if store.switch_names[path] != switch_attr:
+            raise ExpertCacheError(
+                f"{path}: the checkpoint's experts are under {store.switch_names[path]}, "
+                f"{type(block).__name__} keeps them in {switch_attr}"
+            )
         if config.prefetch:
             check_decoder_layer(layer)
         for proj in PROJECTIONS:
-            stock = getattr(block.switch_mlp, proj)
+            stock = getattr(switch, proj)
             check_projection(stock, store.blocks[path][proj])
-            _check_expert_shapes(stock, store.blocks[path][proj], f"{path}.switch_mlp.{proj}")
+            _check_expert_shapes(stock, store.blocks[path][proj], f"{path}.{switch_attr}.{proj}")
     sizes = [store.num_experts(path) for _, _, path in found]
     top_k = block_top_k(blocks[0])
     capacities = config.layer_capacities(sizes, top_k)
@@ -117,8 +133,9 @@ def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> Ex
         policy = make_policy(config.policy, sizes[i])
         cache = LayerCache(i, path, store, all_slots[i], policy, config.mode == "skip")
         rows = cache.read_resident()
+        switch = getattr(block, BLOCKS[type(block)].switch_attr)
         for proj in PROJECTIONS:
-            cache.projections[proj] = cut_to_slots(getattr(block.switch_mlp, proj), rows[proj])
+            cache.projections[proj] = cut_to_slots(getattr(switch, proj), rows[proj])
         cached_block = BLOCKS[type(block)](block, cache)
         setattr(layer, attr, cached_block)
         if prefetch is not None and i > 0:  # the first MoE layer has no previous output
@@ -156,10 +173,6 @@ def _begin_each_forward_with(model: nn.Module, manager: ExpertCacheManager) -> N
         )
     model.__class__ = _HOOKED_CLASSES[stock]
     model.expert_cache_manager = manager
-
-
-def _supported_model_types() -> set[str]:
-    return {cls.__module__.rsplit(".", 1)[1] for cls in BLOCKS}
 
 
 def _check_weights(model: nn.Module, weights: dict[str, mx.array], skip: tuple, where) -> None:
@@ -209,7 +222,7 @@ def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) 
 def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: CacheConfig):
     data = cfg_path.read_bytes()
     store.check_file("config.json", data)
-    model_config = read_model_config(cfg_path, data, _supported_model_types(), store._infos)
+    model_config = read_model_config(cfg_path, data, supported_model_types(), store._infos)
     model_class, args_class = _model_classes(model_config)
     # Built lazily: the stock random expert tables are replaced before anything evaluates them.
     try:
@@ -229,11 +242,13 @@ def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: CacheConf
     quantization = model_config.get("quantization")
     if quantization is not None:
         expert_quantized = {
-            f"{block}.switch_mlp.{proj}"
+            f"{block}.{store.switch_names[block]}.{proj}"
             for block, projs in store.blocks.items()
             for proj, params in projs.items()
             if "scales" in params
         }
+        # Per-layer settings (a dict under the module's path) win, as in mlx-lm's loader.
+        per_layer = {k: v for k, v in quantization.items() if isinstance(v, dict)}
         nn.quantize(
             model,
             group_size=quantization["group_size"],
@@ -242,11 +257,17 @@ def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: CacheConf
             class_predicate=lambda p, m: (
                 hasattr(m, "to_quantized")
                 and (f"{p}.scales" in weights or p in expert_quantized)
-                and m.weight.shape[-1] % quantization["group_size"] == 0
+                and (
+                    per_layer[p]
+                    if p in per_layer
+                    else m.weight.shape[-1] % quantization["group_size"] == 0
+                )
             ),
         )
     manager = patch_model(model, store, config)
-    expert_prefixes = tuple(f"{layer.block_path}.switch_mlp." for layer in manager.layers)
+    expert_prefixes = tuple(
+        f"{layer.block_path}.{store.switch_names[layer.block_path]}." for layer in manager.layers
+    )
     _check_weights(model, weights, expert_prefixes, model_dir)
     model.load_weights(list(weights.items()), strict=False)
     mx.eval(model.parameters())

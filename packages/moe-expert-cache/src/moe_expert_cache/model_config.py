@@ -28,6 +28,11 @@ INT_FIELDS = (
     "shared_expert_intermediate_size",
     "num_local_experts",
     "num_experts",
+    "n_routed_experts",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "moe_layer_freq",
     "head_dim",
     "max_position_embeddings",
     "decoder_sparse_step",
@@ -53,7 +58,8 @@ def read_model_config(path: Path, data: bytes, model_types, tensor_names) -> dic
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or model_type not in model_types:
         raise ExpertCacheError(
-            f"{path}: model_type {model_type!r} has no MoE layers this package serves; "
+            f"{path}: model_type {model_type!r} has no MoE layers this package can page: "
+            "no cached block mirrors its router and expert layout\n"
             f"expected one of {sorted(model_types)}"
         )
     for name in INT_FIELDS:
@@ -89,27 +95,42 @@ def read_model_config(path: Path, data: bytes, model_types, tensor_names) -> dic
 
 
 def check_quantization(path: Path, q) -> None:
-    """``{"group_size", "bits", "mode"?}`` with values ``mx.quantize`` accepts."""
+    """``{"group_size", "bits", "mode"?, <module path>: {...}?}``: the default settings,
+    and per-layer settings as ``mlx_lm.convert`` writes them (e.g. Qwen3-MoE's and
+    GPT-OSS's 8-bit routers), each with values ``mx.quantize`` accepts."""
     if not isinstance(q, dict) or not {"group_size", "bits"} <= set(q):
         raise ExpertCacheError(f"{path}: quantization = {q!r}, expected group_size and bits")
-    extra = set(q) - {"group_size", "bits", "mode"}
-    if extra:
-        raise ExpertCacheError(
-            f"{path}: quantization has {sorted(extra)}; only group_size, bits and mode are "
-            "supported (no per-layer quantization)"
-        )
+    _check_quant_settings(path, "quantization", {k: v for k, v in q.items() if k in _SETTINGS})
+    for layer, settings in q.items():
+        if layer in _SETTINGS:
+            continue
+        if (
+            not isinstance(settings, dict)
+            or not {"group_size", "bits"} <= set(settings)
+            or not set(settings) <= set(_SETTINGS)
+        ):
+            raise ExpertCacheError(
+                f"{path}: quantization[{layer!r}] = {settings!r}, expected a layer's "
+                "group_size, bits and optional mode"
+            )
+        _check_quant_settings(path, f"quantization[{layer!r}]", settings)
+
+
+_SETTINGS = ("group_size", "bits", "mode")
+
+
+def _check_quant_settings(path: Path, where: str, q: dict) -> None:
     mode = q.get("mode", "affine")
     if not isinstance(mode, str) or mode not in QUANT_MODES:
         raise ExpertCacheError(
-            f"{path}: quantization mode {mode!r}, expected one of {sorted(QUANT_MODES)}"
+            f"{path}: {where} mode {mode!r}, expected one of {sorted(QUANT_MODES)}"
         )
     group_sizes, bits = QUANT_MODES[mode]
     for name, allowed in (("group_size", group_sizes), ("bits", bits)):
         v = q[name]
         if not is_int(v) or v not in allowed:
             raise ExpertCacheError(
-                f"{path}: quantization {name} = {v!r}, expected one of {list(allowed)} "
-                f"for mode {mode!r}"
+                f"{path}: {where} {name} = {v!r}, expected one of {list(allowed)} for mode {mode!r}"
             )
 
 

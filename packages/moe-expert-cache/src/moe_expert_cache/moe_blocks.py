@@ -15,34 +15,63 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from mlx_lm.models import (
+    gpt_oss,
+    granitemoe,
+    mixtral,
+    olmoe,
+    phimoe,
+    qwen2_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.layer_cache import LayerCache
 
 
 def block_top_k(stock: nn.Module) -> int:
-    """Experts per token of a stock block (Mixtral names it differently)."""
-    return stock.num_experts_per_tok if hasattr(stock, "num_experts_per_tok") else stock.top_k
+    """Experts per token of a stock block (some keep it on their router only)."""
+    for owner in (stock, stock.get("gate"), stock.get("router")):
+        for name in ("num_experts_per_tok", "top_k"):
+            if hasattr(owner, name):
+                return getattr(owner, name)
+    raise ExpertCacheError(f"{type(stock).__name__} names no experts-per-token count")
 
 
 class CachedMoeBlock(nn.Module):
     """Base of the cached blocks. ``route`` is the stock router; ``normalizes_topk`` says
-    whether the stock block makes the top-k scores sum to one, which decides whether the
-    skip mode renormalises the surviving scores."""
+    whether the stock block makes the top-k scores sum to ``topk_scale`` (one, or
+    DeepSeek-V3's ``routed_scaling_factor``), which decides whether the skip mode
+    renormalises the surviving scores.
+
+    ``gate_attr`` / ``switch_attr``: the stock block's names for its router and its
+    ``SwitchGLU``, kept so that the checkpoint's tensor names address the cached block.
+    """
 
     stock_class: ClassVar[type[nn.Module]]
+    gate_attr: ClassVar[str] = "gate"
+    switch_attr: ClassVar[str] = "switch_mlp"
 
     def __init__(self, stock: nn.Module, cache: LayerCache):
         super().__init__()
-        self.gate = stock.gate
-        self.switch_mlp = stock.switch_mlp
+        setattr(self, self.gate_attr, getattr(stock, self.gate_attr))
+        setattr(self, self.switch_attr, getattr(stock, self.switch_attr))
         self.top_k = block_top_k(stock)
         self.cache = cache
 
     @property
+    def switch(self) -> nn.Module:
+        """The stock ``SwitchGLU``, its projections cut to the resident slots."""
+        return self[self.switch_attr]
+
+    @property
     def normalizes_topk(self) -> bool:
         return bool(getattr(self, "norm_topk_prob", False))
+
+    @property
+    def topk_scale(self) -> float:
+        return 1.0
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x: (N, D) -> expert ids (N, k) uint32 and their scores (N, k) float."""
@@ -65,7 +94,7 @@ class CachedMoeBlock(nn.Module):
         if cache.full:
             # Every expert resident: nothing can miss, so neither mode masks or synchronises.
             cache.record(inds, None)
-            y = self.switch_mlp(x, inds if cache.identity else cache.lookup[inds])
+            y = self.switch(x, inds if cache.identity else cache.lookup[inds])
         elif cache.skip:
             y, scores = self._skip(x, inds, scores)
         else:
@@ -77,12 +106,15 @@ class CachedMoeBlock(nn.Module):
         cache = self.cache
         hit = cache.hit_mask[inds]  # (N, k) bool
         cache.record(inds, hit)
-        y = self.switch_mlp(x, cache.lookup[inds])
+        y = self.switch(x, cache.lookup[inds])
         kept = mx.where(hit, scores, mx.zeros_like(scores))
         if self.normalizes_topk:
             denom = mx.maximum(kept.sum(axis=-1, keepdims=True), 1e-30)
             # Only rows with a miss are rescaled: rows that hit everything stay bit-exact.
-            kept = mx.where(hit.all(axis=-1, keepdims=True), kept, kept / denom)
+            renormalised = kept / denom
+            if self.topk_scale != 1.0:
+                renormalised = renormalised * self.topk_scale
+            kept = mx.where(hit.all(axis=-1, keepdims=True), kept, renormalised)
         return y, kept
 
     def _exact(self, x, inds):
@@ -102,7 +134,7 @@ class CachedMoeBlock(nn.Module):
                 hit |= np.isin(part, list(staged))
             cache.record(part, hit)
             cache.ensure_resident(part, staged)
-            y = self.switch_mlp(x[start:end], cache.lookup[inds[start:end]])
+            y = self.switch(x[start:end], cache.lookup[inds[start:end]])
             if len(groups) > 1:
                 # The next group's swaps replace the stacks; finish this one with them first.
                 mx.eval(y)
@@ -147,8 +179,6 @@ class CachedQwen3MoeBlock(CachedMoeBlock):
     stock_class = qwen3_moe.Qwen3MoeSparseMoeBlock
 
     def __init__(self, stock, cache):
-        if stock.sharding_group is not None:
-            raise ExpertCacheError("sharded (distributed) Qwen3-MoE blocks are not supported")
         super().__init__(stock, cache)
         self.norm_topk_prob = stock.norm_topk_prob
 
@@ -182,7 +212,66 @@ class CachedOlmoeBlock(CachedMoeBlock):
         return inds, scores
 
 
-BLOCKS: dict[type[nn.Module], type[CachedMoeBlock]] = {
-    cls.stock_class: cls
-    for cls in (CachedMixtralBlock, CachedQwen2MoeBlock, CachedQwen3MoeBlock, CachedOlmoeBlock)
-}
+class CachedQwen3NextBlock(CachedQwen3MoeBlock):
+    """Qwen3-Next: Qwen3-MoE's routing plus Qwen2-MoE's gated shared expert."""
+
+    stock_class = qwen3_next.Qwen3NextSparseMoeBlock
+
+    def __init__(self, stock, cache):
+        super().__init__(stock, cache)
+        self.shared_expert = stock.shared_expert
+        self.shared_expert_gate = stock.shared_expert_gate
+
+    def mix(self, y, scores):
+        return (y * scores[..., None]).sum(axis=-2)
+
+    def finish(self, x, y):
+        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class CachedGraniteMoeBlock(CachedMoeBlock):
+    """Granite-MoE: its ``router`` takes the top-k logits and softmaxes them."""
+
+    stock_class = granitemoe.GraniteMoeMoE
+    gate_attr = "router"
+
+    @property
+    def normalizes_topk(self) -> bool:
+        return True
+
+    def route(self, x):
+        return self.router(x)
+
+    def mix(self, y, scores):
+        return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+class CachedGptOssBlock(CachedMoeBlock):
+    """GPT-OSS: the router is ``router`` (with a bias), the experts ``experts``, a
+    ``SwitchGLU`` with biases and its own clamped SwiGLU; softmax over the top-k logits."""
+
+    stock_class = gpt_oss.MLPBlock
+    gate_attr = "router"
+    switch_attr = "experts"
+
+    @property
+    def normalizes_topk(self) -> bool:
+        return True
+
+    def route(self, x):
+        scores, inds = gpt_oss.mlx_topk(self.router(x), k=self.top_k, axis=-1)
+        return inds, mx.softmax(scores, axis=-1, precise=True)
+
+
+class CachedPhiMoeBlock(CachedMoeBlock):
+    """Phi-3.5-MoE: sparsemixer routing (each pick's score is a softmax over the logits
+    within a jitter band of it), which does not normalise the top-k scores."""
+
+    stock_class = phimoe.PhiMoESparseMoeBlock
+
+    def __init__(self, stock, cache):
+        super().__init__(stock, cache)
+        self.jitter_eps = stock.jitter_eps
+
+    def route(self, x):
+        return phimoe.sparsemixer(self.gate(x), top_k=self.top_k, jitter_eps=self.jitter_eps)
