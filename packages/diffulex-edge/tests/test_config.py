@@ -81,3 +81,53 @@ def test_sdar_1p7b_shape():
     cfg = sdar_1p7b_config(num_hidden_layers=2)
     assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim) == (2048, 8, 128)
     assert cfg.num_kv_groups == 2
+
+
+def test_family_switches_at_their_defaults_leave_the_config_json_as_before():
+    """Configs (and so program digests) written before the switches existed are unchanged."""
+    assert set(tiny_config().to_dict()) == {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "mask_token_id",
+        "eos_token_id",
+        "qk_norm",
+        "qkv_bias",
+    }
+    hybrid = tiny_config(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"], rope_layers=[1, 0]
+    )
+    data = hybrid.to_dict()
+    assert data["layer_types"] == ["sliding_attention", "full_attention"]
+    assert SDARConfig.from_dict(data) == hybrid
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act must be one of"),
+        ({"norm_layout": "middle"}, "norm_layout must be one of"),
+        ({"layer_types": ["full_attention"]}, "layer_types must be a list of 2"),
+        ({"layer_types": ["full_attention", "local"]}, r"layer_types holds \['local'\]"),
+        ({"sliding_window": 4}, "no layer_types entry is 'sliding_attention'"),
+        (
+            {"layer_types": ["sliding_attention", "full_attention"]},
+            "sliding_window must be an int",
+        ),
+        ({"rope_layers": [1, 2]}, "rope_layers must be a list of 2 entries"),
+        ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping must be finite"),
+        ({"residual_multiplier": float("nan")}, "residual_multiplier must be finite"),
+    ],
+)
+def test_bad_family_switches_are_refused_by_name(changes, words):
+    with pytest.raises(DiffulexEdgeError, match=words):
+        tiny_config(**changes)

@@ -116,7 +116,27 @@ def _hf_config(**changes):
 @pytest.mark.parametrize(
     "changes, word",
     [
-        ({"model_type": "mistral"}, "model_type 'mistral'"),
+        ({"model_type": "gpt_neox"}, "model_type 'gpt_neox'"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        (
+            {
+                "model_type": "gemma3_text",
+                "hidden_activation": "gelu_pytorch_tanh",
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 8.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                },
+            },
+            r"rope_type 'linear'\['full_attention'\]",
+        ),
+        (
+            {"model_type": "gemma2", "hidden_activation": "gelu"},
+            "gemma2 config has hidden_act 'gelu'",
+        ),
+        (
+            {"model_type": "gemma3_text", "use_bidirectional_attention": True},
+            "use_bidirectional_attention",
+        ),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
         ({"attention_bias": True}, "attention_bias"),
@@ -172,3 +192,19 @@ def test_cli_exports_a_llama_directory_for_autoregressive_decoding(tmp_path, cap
         want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
     config = GenerationConfig(max_new_tokens=6, stop_on_eos=False)
     assert engine.generate(ids, config).tokens == want[0, len(ids) :].tolist()
+
+
+def test_a_transformers_4_gemma3_config_takes_its_layer_pattern_and_local_rope_base():
+    """config.json written before transformers 5: no layer_types, rope_local_base_freq."""
+    data = {
+        **_hf_config(model_type="gemma3_text", num_hidden_layers=7, rope_theta=1e6),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": 16,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 8,
+    }
+    c = SDARConfig.from_dict(data)
+    assert c.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert (c.rope_theta, c.rope_local_theta, c.sliding_window) == (1e6, 10000.0, 16)
+    assert c.attention_scale == 8**-0.5 and c.embedding_multiplier == 32**0.5

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from importlib.metadata import distribution
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -85,15 +86,19 @@ def test_import_prints_nothing_and_leaves_executorch_unimported():
     assert result.stdout.strip() == "[]"
 
 
-def test_the_base_install_imports_and_decodes_with_torch_and_safetensors_only():
+def test_the_base_install_decodes_and_saves_with_its_declared_dependencies_only(tmp_path):
+    # save_checkpoint goes through safetensors' torch writer, which imports numpy without
+    # safetensors declaring it (#55): the base install must hold numpy itself.
     allowed = _closure(["diffulex-edge"])
-    assert {"torch", "safetensors"} <= allowed and "executorch" not in allowed
+    assert {"torch", "safetensors", "numpy"} <= allowed and "executorch" not in allowed
     result = _run(
-        """
+        f"""
         from diffulex_edge import EagerDynamic, GenerationConfig, generate, load_checkpoint
-        from diffulex_edge import trained_checkpoint
+        from diffulex_edge import save_checkpoint, trained_checkpoint
         from diffulex_edge.task import decode, encode
         model = load_checkpoint(trained_checkpoint())
+        save_checkpoint(model, {str(tmp_path / "copy")!r})
+        model = load_checkpoint({str(tmp_path / "copy")!r})
         c = model.config
         r = generate(EagerDynamic(model, 4), encode("31415926"), GenerationConfig(12),
                      c.mask_token_id, c.eos_token_id)
@@ -103,6 +108,15 @@ def test_the_base_install_imports_and_decodes_with_torch_and_safetensors_only():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "11234569"
+
+
+def test_numpy_is_a_base_dependency_of_the_wheel():
+    """What the wheel declares (pyproject.toml), not what this environment happens to hold."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    names = {canonicalize_name(Requirement(d).name): Requirement(d) for d in deps}
+    assert "numpy" in names and names["numpy"].marker is None
 
 
 def test_without_executorch_the_pte_paths_name_the_extra(pte_paths, tmp_path):

@@ -58,13 +58,23 @@ def expected_shapes(config: SDARConfig) -> dict[str, tuple[int, ...]]:
                 p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
                 p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
                 p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-                p + "input_layernorm.weight": (c.hidden_size,),
                 p + "post_attention_layernorm.weight": (c.hidden_size,),
             }
         )
+        if c.norm_layout != "post":
+            shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        if c.norm_layout == "sandwich":
+            shapes[p + "pre_feedforward_layernorm.weight"] = (c.hidden_size,)
+        if c.norm_layout != "pre":
+            shapes[p + "post_feedforward_layernorm.weight"] = (c.hidden_size,)
         if c.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+            per_head = c.qk_norm_per_head
+            shapes[p + "self_attn.q_norm.weight"] = (
+                hd if per_head else c.num_attention_heads * hd,
+            )
+            shapes[p + "self_attn.k_norm.weight"] = (
+                hd if per_head else c.num_key_value_heads * hd,
+            )
         if c.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (c.num_attention_heads * hd,)
             shapes[p + "self_attn.k_proj.bias"] = (c.num_key_value_heads * hd,)

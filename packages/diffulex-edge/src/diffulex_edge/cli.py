@@ -45,8 +45,9 @@ def _add_source(p, with_pte: bool) -> None:
     p.add_argument(
         "model_dir",
         nargs="?",
-        help="Hugging Face-layout directory: SDAR, Llama, Qwen2 or Qwen3 (config.json + "
-        f"safetensors) (default: the bundled trained sorting model, {TRAINED})",
+        help="Hugging Face-layout directory (config.json + safetensors): SDAR or a family "
+        "of the README's supported models except Phi-3 (fused tensors) (default: the "
+        f"bundled trained sorting model, {TRAINED})",
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--checkpoint", help="the same as MODEL_DIR")

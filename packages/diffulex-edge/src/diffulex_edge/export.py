@@ -126,21 +126,48 @@ class StaticKVGraph(nn.Module):
         start = input_pos[0].item()
         torch._check_is_size(start)
         torch._check(start + T <= self.max_seq)
-        cos = torch.narrow(m.cos_cached, 0, start, T)[None, :, None, :]
-        sin = torch.narrow(m.sin_cached, 0, start, T)[None, :, None, :]
-        h = m.embed_tokens(input_ids)
+        rope = {
+            kind: None
+            if t is None
+            else tuple(torch.narrow(x, 0, start, T)[None, :, None, :] for x in t)
+            for kind, t in m.rope_tables().items()
+        }
+        h = m.embed(input_ids)
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
-            q, k, v = attn.heads(layer.input_layernorm(h), cos, sin)
+            cos, sin = rope[layer.rope] or (None, None)
+            q, k, v = attn.heads(layer.attention_input(h), cos, sin)
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             torch.ops.llama.update_cache(k, k_cache, start)
             torch.ops.llama.update_cache(v, v_cache, start)
-            out = torch.ops.llama.custom_sdpa(
-                q, k_cache, v_cache, start, None, 0.0, self.is_causal, attn.scaling
-            )
-            h = h + attn.o_proj(out.reshape(B, T, attn.num_heads * attn.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if attn.needs_explicit_scores:
+                out = attn.attend(
+                    q.transpose(1, 2),
+                    k_cache.transpose(1, 2),
+                    v_cache.transpose(1, 2),
+                    self._slot_mask(input_pos, T, attn.sliding_window),
+                )
+            else:
+                out = torch.ops.llama.custom_sdpa(
+                    q, k_cache, v_cache, start, None, 0.0, self.is_causal, attn.scaling
+                )
+                out = attn.o_proj(out.reshape(B, T, attn.num_heads * attn.head_dim))
+            h = layer.add_mlp(layer.add_attention(h, out))
         return m._logits(h)
+
+    def _slot_mask(self, input_pos, T: int, window: int | None) -> torch.Tensor:
+        """The additive mask over every cache slot, (1, 1, T, max_seq), for a layer whose
+        scores custom_sdpa cannot compute (soft-capped, sliding-window): slot j (holding
+        position j) is visible to the query at position p when j <= p (block size 1; the
+        whole block with a larger one) and, with a window, p - j < window. Slots past the
+        block hold stale keys and are hidden."""
+        q_pos = input_pos + torch.arange(T)  # (T,)
+        last = q_pos if self.is_causal else (input_pos + T - 1).expand(T)
+        slots = torch.arange(self.max_seq)
+        hidden = slots[None, :] > last[:, None]  # (T, max_seq)
+        if window is not None:
+            hidden = hidden | ((q_pos[:, None] - slots[None, :]) >= window)
+        return torch.zeros(hidden.shape).masked_fill(hidden, -torch.inf)[None, None]
 
     @staticmethod
     def example_inputs(layout: StaticCacheLayout) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,4 @@
-"""Llama-family models held by transformers (or stored as GGUF) as :class:`SDARModel`.
+"""Decoder models held by transformers (or stored as GGUF) as :class:`SDARModel`.
 
 A safetensors directory needs no transformers: :func:`diffulex_edge.load_checkpoint` reads
 it directly. These two routes go through transformers (the ``hf`` extra): a model object
@@ -17,14 +17,45 @@ from diffulex_edge.errors import DiffulexEdgeError
 from diffulex_edge.model import SDARModel
 
 
+def split_fused(state: dict[str, torch.Tensor], config: SDARConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused tensors as SDAR's: ``qkv_proj`` (H*hd + 2*KV*hd, hidden) into q, k and
+    v rows, ``gate_up_proj`` (2*intermediate, hidden) into gate then up rows. Other tensors
+    pass through; a fused tensor of the wrong size is left for the shape check to name."""
+    hd = config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("self_attn.qkv_proj.weight") and tensor.shape[0] == q + 2 * kv:
+            p = name[: -len("qkv_proj.weight")]
+            for part, rows in zip(("q", "k", "v"), tensor.split([q, kv, kv]), strict=True):
+                out[f"{p}{part}_proj.weight"] = rows
+        elif name.endswith("mlp.gate_up_proj.weight") and tensor.shape[0] % 2 == 0:
+            p = name[: -len("gate_up_proj.weight")]
+            gate, up = tensor.chunk(2, dim=0)
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = gate, up
+        else:
+            out[name] = tensor
+    return out
+
+
 def from_hf_model(hf_model, dtype: torch.dtype = torch.float32) -> SDARModel:
-    """Copy a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
-    into a new :class:`SDARModel` (eval mode, ``dtype``); the names and shapes of its
-    tensors are checked against the mapped config first."""
+    """Copy a transformers causal LM of a family :mod:`diffulex_edge.hf_config` maps
+    (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ``Phi3ForCausalLM``, ...) into a new
+    :class:`SDARModel` (eval mode, ``dtype``); the names and shapes of its tensors are
+    checked against the mapped config first.
+
+    Raises:
+        DiffulexEdgeError: the family or one of its features is not implemented (before any
+            weight is copied), or the tensors do not match the config.
+    """
     config = SDARConfig.from_dict(hf_model.config.to_dict())
+    # RoPE tables and Gemma 3's embedding scale are buffers SDARModel derives from the config.
     state = {
-        k: v for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")
+        k: v
+        for k, v in hf_model.state_dict().items()
+        if ".rotary_emb." not in k and not k.endswith("embed_scale")
     }
+    state = split_fused(state, config)
     expected = expected_shapes(config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
