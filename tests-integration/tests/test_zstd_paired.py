@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paired_cache import SparseMLP, sparsify_model
-from zstd_linear import POLICIES, compressed_layers, compression_stats, reset_stats, set_policy
+from zstd_linear import POLICIES, compression_stats, reset_stats, set_policy
+from zstd_linear.model import compressed_layers
 
 VOCAB = 49152
 

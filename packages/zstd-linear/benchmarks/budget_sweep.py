@@ -20,13 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 from end_to_end import aligned_plain_model, decode_steps
 
-from zstd_linear import (
-    compress_model,
-    compressed_layers,
-    compression_stats,
-    reset_stats,
-    set_policy,
-)
+from zstd_linear import compress_model, compression_stats, reset_stats, set_policy
+from zstd_linear.model import compressed_layers
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

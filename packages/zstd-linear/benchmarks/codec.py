@@ -25,9 +25,15 @@ import numpy as np
 import torch
 import zstandard
 
-from zstd_linear import CodecConfig, Decoder, encode_weight
-from zstd_linear.codec import AUTO_LAYOUTS, EncodedWeight, Frame, _compressor
-from zstd_linear.decoder import _read_frame
+from zstd_linear.codec import (
+    AUTO_LAYOUTS,
+    CodecConfig,
+    EncodedWeight,
+    Frame,
+    _compressor,
+    encode_weight,
+)
+from zstd_linear.decoder import Decoder, _read_frame
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES, dtype_name
 
 THREADS = (1, 2)

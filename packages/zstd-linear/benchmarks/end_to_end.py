@@ -13,14 +13,9 @@ import time
 
 import torch
 
-from zstd_linear import (
-    Decoder,
-    compress_model,
-    compressed_layers,
-    compression_stats,
-    reset_stats,
-    set_policy,
-)
+from zstd_linear import compress_model, compression_stats, reset_stats, set_policy
+from zstd_linear.decoder import Decoder
+from zstd_linear.model import compressed_layers
 
 POLICIES = [
     ("none", {}),

@@ -33,7 +33,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from membound_testing import fuzz, minilm_path  # noqa: E402
 from membound_testing.results import write_result  # noqa: E402
-from zstd_linear import CodecConfig, Decoder, encode_weight  # noqa: E402
+from zstd_linear.codec import CodecConfig, encode_weight  # noqa: E402
+from zstd_linear.decoder import Decoder  # noqa: E402
 
 LOADER = "load_compressed (.zlin, 4 MiniLM layers)"
 

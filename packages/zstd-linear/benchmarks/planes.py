@@ -25,9 +25,8 @@ import numpy as np
 import torch
 import zstandard
 
-from zstd_linear import CodecConfig
 from zstd_linear._core import unpack_bits
-from zstd_linear.codec import _compressor, bitpack
+from zstd_linear.codec import CodecConfig, _compressor, bitpack
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES, dtype_name
 
 sys.path.insert(0, str(Path(__file__).parent))

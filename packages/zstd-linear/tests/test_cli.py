@@ -118,8 +118,9 @@ def test_help_shows_every_default(command, capsys, monkeypatch):
 
 
 def test_choices_come_from_the_registries():
-    from zstd_linear import LAYOUTS, POLICIES
+    from zstd_linear import POLICIES
     from zstd_linear.cli import build_parser
+    from zstd_linear.layout import LAYOUTS
 
     commands = build_parser()._subparsers._group_actions[0].choices
     layout = next(a for a in commands["compress"]._actions if a.dest == "layout")
@@ -162,7 +163,7 @@ def test_expected_errors_are_one_line_with_exit_status_2(
     """A non-model file, a missing one, a damaged .zlin: ``zstd-linear: error: ...``."""
     import shutil
 
-    from zstd_linear import companion_path
+    from zstd_linear.pretrained import companion_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("Not a model.\n")

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zstd_linear import LAYOUTS, CodecConfig, Decoder, encode_weight
-from zstd_linear.codec import AUTO_LAYOUTS, DEFAULT_RAW_BELOW
-from zstd_linear.layout import SUPPORTED_DTYPES
+from zstd_linear.codec import AUTO_LAYOUTS, DEFAULT_RAW_BELOW, CodecConfig, encode_weight
+from zstd_linear.decoder import Decoder
+from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 
 SPECIAL = {
     "float32": [
@@ -283,8 +283,8 @@ def test_decode_many_equals_one_weight_at_a_time(threads, backend):
 
 @pytest.mark.parametrize("backend", ["c", "python"])
 def test_decode_many_checks_every_buffer_first_and_finishes_before_raising(backend):
-    from zstd_linear import DecodeError
     from zstd_linear.codec import EncodedWeight, Frame
+    from zstd_linear.decoder import DecodeError
 
     weights = [torch.randn(64, 64) * 0.02 for _ in range(4)]
     encoded = [encode_weight(w, CodecConfig(chunk_bytes=4096)) for w in weights]

@@ -18,11 +18,17 @@ import pytest
 import torch
 import zstandard
 
-from zstd_linear import CodecConfig, DecodeError, Decoder, encode_weight
 from zstd_linear import decoder as decoder_module
 from zstd_linear._core import ffi, lib
-from zstd_linear.codec import EncodedWeight, Frame
-from zstd_linear.decoder import _ChunkTable, _Scratch, _split_runs, _zstd_functions
+from zstd_linear.codec import CodecConfig, EncodedWeight, Frame, encode_weight
+from zstd_linear.decoder import (
+    DecodeError,
+    Decoder,
+    _ChunkTable,
+    _Scratch,
+    _split_runs,
+    _zstd_functions,
+)
 
 
 def _bytes(w: torch.Tensor) -> np.ndarray:
@@ -205,7 +211,8 @@ def test_chunk_tables_of_a_mapped_file_survive_the_cycle_collector(tmp_path):
         f"""
         import gc
         import torch
-        from zstd_linear import CodecConfig, Decoder, encode_weight
+        from zstd_linear.codec import CodecConfig, encode_weight
+        from zstd_linear.decoder import Decoder
         from zstd_linear.decoder import _ChunkTable, _TABLES
         from zstd_linear.fileformat import read_file, write_file
 

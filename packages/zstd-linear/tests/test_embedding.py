@@ -11,14 +11,13 @@ from zstd_linear import (
     CompressedEmbedding,
     CompressedLinear,
     compress_model,
-    compressed_layers,
     compression_stats,
     decompress_model,
     load_compressed,
     save_compressed,
     set_policy,
 )
-from zstd_linear.model import runtime_of
+from zstd_linear.model import compressed_layers, runtime_of
 
 VOCAB, DIM = 300, 24  # 28.8 KB float32: 8 chunks of 4 KiB, rows straddle chunk edges
 

@@ -12,17 +12,10 @@ import torch
 from conftest import make_toy
 from zlin_fuzz import PREFIX, join, split
 
-from zstd_linear import (
-    FORMAT_VERSION,
-    CompressedFileError,
-    DecodeError,
-    compress_model,
-    compressed_layers,
-    load_compressed,
-    read_file,
-    save_compressed,
-)
-from zstd_linear.fileformat import MAGIC
+from zstd_linear import CompressedFileError, compress_model, load_compressed, save_compressed
+from zstd_linear.decoder import DecodeError
+from zstd_linear.fileformat import FORMAT_VERSION, MAGIC, read_file
+from zstd_linear.model import compressed_layers
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 import zlin_fuzz
 
 from membound_testing import fuzz
-from zstd_linear import CodecConfig
+from zstd_linear.codec import CodecConfig
 
 HERE = Path(__file__).parent
 

@@ -9,14 +9,9 @@ import zlib
 import torch
 import torch.nn as nn
 
-from zstd_linear import (
-    compress_model,
-    compressed_layers,
-    compression_stats,
-    load_compressed,
-    read_file,
-    save_compressed,
-)
+from zstd_linear import compress_model, compression_stats, load_compressed, save_compressed
+from zstd_linear.fileformat import read_file
+from zstd_linear.model import compressed_layers
 
 DIM = 1024
 N_LAYERS = 16  # 16 x (1024, 512) float32: 32 MiB decoded, ~26 MiB compressed

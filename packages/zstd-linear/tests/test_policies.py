@@ -12,12 +12,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from zstd_linear import (
     POLICIES,
     compress_model,
-    compressed_layers,
     compression_stats,
     decompress_model,
     reset_stats,
     set_policy,
 )
+from zstd_linear.model import compressed_layers
 from zstd_linear.policies import PerPassPrefetch
 
 N_LAYERS = 9  # 3 blocks x (q_proj, up_proj, down_proj)

@@ -73,6 +73,7 @@ def test_the_root_readmes_usage_cell_runs():
     from conftest import tiny_llama
 
     import zstd_linear
+    from zstd_linear.model import compressed_layers
 
     root = README.parents[2] / "README.md"
     (row,) = [line for line in root.read_text().splitlines() if line.startswith("| `zstd-linear`")]
@@ -83,4 +84,4 @@ def test_the_root_readmes_usage_cell_runs():
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, plain(ids).logits)
-    assert zstd_linear.compressed_layers(model)
+    assert compressed_layers(model)

@@ -13,12 +13,12 @@ from conftest import make_toy, tiny_llama
 
 from zstd_linear import (
     CompressedLinear,
-    companion_path,
     compress_model,
     decompress_model,
     load_compressed,
     save_compressed,
 )
+from zstd_linear.pretrained import companion_path
 
 IDS = torch.tensor([[1, 5, 9, 42, 7, 3]])
 

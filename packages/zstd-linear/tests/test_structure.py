@@ -1,9 +1,12 @@
-"""Dependencies point one way: layer -> its container's interface, runtime -> policy,
-policy -> BackingStore; and a layer built alone sets nothing on itself."""
+"""Dependencies point one way: layer -> its runtime's interface, runtime -> policy,
+policy -> BackingStore; a layer built alone sets nothing on itself; the top-level API is
+small and the building blocks are where the README says."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -70,7 +73,7 @@ def test_policies_import_neither_the_runtime_nor_the_modules(module):
         assert f"zstd_linear.{banned}" not in reached
 
 
-def test_the_layer_does_not_import_its_container_or_the_policies():
+def test_the_layer_does_not_import_its_runtime_or_the_policies():
     reached = reachable(import_graph(), "zstd_linear.layer")
     assert "zstd_linear.runtime" not in reached
     assert not any(m.startswith("zstd_linear.policies") for m in reached)
@@ -95,7 +98,7 @@ def test_a_standalone_layer_sets_nothing_on_itself():
     after = vars(layer)
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] for k in before)
-    assert layer._container is None
+    assert layer._runtime is None
 
 
 def test_the_runtime_binds_its_layers_and_decompress_unbinds_them():
@@ -103,12 +106,32 @@ def test_the_runtime_binds_its_layers_and_decompress_unbinds_them():
     compress_model(model, policy="none")
     runtime = model.zstd_linear_runtime
     layers = {n: m for n, m in model.named_modules() if isinstance(m, CompressedLinear)}
-    assert layers and all(m._container is runtime for m in layers.values())
+    assert layers and all(m._runtime is runtime for m in layers.values())
     assert set(runtime.layers) == set(layers)
     decompress_model(model)
     with torch.no_grad():
         for name, layer in layers.items():
-            assert layer._container is None
+            assert layer._runtime is None
             x = torch.randn(2, layer.in_features)
             # Unbound, it decodes itself: still the plain layer's output.
             assert torch.equal(layer(x), plain.get_submodule(name)(x))
+
+
+def test_the_top_level_api_is_small_and_complete():
+    names = zstd_linear.__all__
+    assert len(names) <= 15, names
+    assert len(set(names)) == len(names)
+    assert all(hasattr(zstd_linear, name) for name in names)
+    errors = [getattr(zstd_linear, n) for n in names if n.endswith("Error")]
+    assert errors and all(issubclass(e, zstd_linear.ZstdLinearError) for e in errors)
+
+
+def test_the_building_blocks_are_importable_where_the_readme_says():
+    readme = (PACKAGE.parents[1] / "README.md").read_text()
+    listed = re.findall(r"^- `(zstd_linear\.[\w.]+)`: (.+)$", readme, re.M)
+    assert len(listed) >= 5, "the README's API section lists the building blocks' modules"
+    for module, names in listed:
+        imported = importlib.import_module(module)
+        for name in re.findall(r"`(\w+)`", names):
+            assert hasattr(imported, name), f"{module}.{name}, listed in the README"
+            assert name not in zstd_linear.__all__, f"{name} is top level, not a building block"

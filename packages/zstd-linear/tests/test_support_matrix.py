@@ -19,17 +19,16 @@ import torch.nn as nn
 from membound_testing.families import DENSE, NON_GATED, tiny_model
 from membound_testing.support import record
 from zstd_linear import (
-    CodecConfig,
     CompressedEmbedding,
     CompressedFileError,
     CompressedLinear,
     compress_model,
     compression_stats,
-    encode_weight,
     load_compressed,
     save_compressed,
-    write_file,
 )
+from zstd_linear.codec import CodecConfig, encode_weight
+from zstd_linear.fileformat import write_file
 from zstd_linear.model import RUNTIME_ATTR
 
 PACKAGE = "zstd-linear"

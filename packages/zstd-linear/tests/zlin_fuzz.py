@@ -20,15 +20,11 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from membound_testing import fuzz
-from zstd_linear import (
-    LAYOUTS,
-    SUPPORTED_DTYPES,
-    CodecConfig,
-    compressed_layers,
-    encode_weight,
-    load_compressed,
-    write_file,
-)
+from zstd_linear import load_compressed
+from zstd_linear.codec import CodecConfig, encode_weight
+from zstd_linear.fileformat import write_file
+from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
+from zstd_linear.model import compressed_layers
 
 ZLIN = "model.zlin"
 REFERENCE = "reference.safetensors"

@@ -17,14 +17,16 @@ def compressed_smollm2_path(progress: bool = False) -> Path:
     import zstd_linear
     from membound_testing import load_smollm2, smollm2_float_dir
     from membound_testing.models import cache_dir
+    from zstd_linear.fileformat import FORMAT_VERSION
+    from zstd_linear.pretrained import companion_path
 
     source = smollm2_float_dir()
     # Keyed by the float copy and by zstd-linear's version and file format, so a new codec
     # or model copy never reads a stale file.
     path = cache_dir() / (
-        f"{source.name}-zstd-linear-{zstd_linear.__version__}-v{zstd_linear.FORMAT_VERSION}.zlin"
+        f"{source.name}-zstd-linear-{zstd_linear.__version__}-v{FORMAT_VERSION}.zlin"
     )
-    if not (path.is_file() and zstd_linear.companion_path(path).is_file()):
+    if not (path.is_file() and companion_path(path).is_file()):
         model, _ = load_smollm2()
         zstd_linear.compress_model(model, progress=progress, embeddings=True)
         zstd_linear.save_compressed(model, path)
@@ -57,11 +59,11 @@ def attention_zlin_path() -> Path:
     that load_compressed finds an nn.Linear for every layer in the file. Cut from the
     full file with zstd-linear's own reader and writer (no re-encoding).
     """
-    import zstd_linear
+    from zstd_linear.fileformat import read_file, write_file
 
     full = compressed_smollm2_path()
     path = full.with_name(full.stem + "-attention.zlin")
     if not path.is_file():
-        entries = zstd_linear.read_file(full)
-        zstd_linear.write_file(path, [e for e in entries if ".self_attn." in e[0]])
+        entries = read_file(full)
+        write_file(path, [e for e in entries if ".self_attn." in e[0]])
     return path

@@ -40,10 +40,10 @@ def write_rest_zlin(full: str | os.PathLike, path: str | os.PathLike) -> Path:
     Returns:
         ``path``.
     """
-    import zstd_linear
+    from zstd_linear.fileformat import read_file, write_file
 
-    entries = zstd_linear.read_file(full)
-    zstd_linear.write_file(path, [e for e in entries if ".mlp." not in e[0]])
+    entries = read_file(full)
+    write_file(path, [e for e in entries if ".mlp." not in e[0]])
     return Path(path)
 
 

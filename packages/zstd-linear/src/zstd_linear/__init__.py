@@ -5,60 +5,42 @@ model.generate(...)                  # bit-identical outputs, weights decoded on
 compression_stats(model)             # passes, decompressions, bytes, seconds, peak
 save_compressed(model, "m.zlin"); model = load_compressed("m.zlin")
 decompress_model(model)              # plain nn.Linear again
+
+Building blocks live in their modules: the codec in ``zstd_linear.codec``
+(``encode_weight``, ``CodecConfig``, ``EncodedWeight``, ``Frame``), the decoder in
+``zstd_linear.decoder`` (``Decoder``, ``DecodeError``), the file format in
+``zstd_linear.fileformat`` (``read_file``, ``write_file``, ``FORMAT_VERSION``), the
+policies in ``zstd_linear.policies``; see the README's "API" section.
 """
 
 from zstd_linear.__about__ import __version__
-from zstd_linear.codec import CodecConfig, EncodedWeight, Frame, encode_weight
-from zstd_linear.decoder import DecodeError, Decoder
 from zstd_linear.embedding import CompressedEmbedding
-from zstd_linear.errors import CompressedFileError
-from zstd_linear.fileformat import FORMAT_VERSION, read_file, write_file
+from zstd_linear.errors import CompressedFileError, ZstdLinearError
 from zstd_linear.layer import CompressedLinear
-from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 from zstd_linear.model import (
     compress_model,
-    compressed_layers,
     compression_report,
     compression_stats,
     decompress_model,
     reset_stats,
     set_policy,
 )
-from zstd_linear.policies import POLICIES, CachePolicy
-from zstd_linear.pretrained import companion_path
-from zstd_linear.report import CompressionReport, LayerReport
+from zstd_linear.policies import POLICIES
 from zstd_linear.serialize import load_compressed, save_compressed
-from zstd_linear.stats import DecodeStats
 
 __all__ = [
-    "FORMAT_VERSION",
-    "LAYOUTS",
     "POLICIES",
-    "SUPPORTED_DTYPES",
-    "CachePolicy",
-    "CodecConfig",
     "CompressedEmbedding",
     "CompressedFileError",
     "CompressedLinear",
-    "CompressionReport",
-    "DecodeError",
-    "DecodeStats",
-    "Decoder",
-    "EncodedWeight",
-    "Frame",
-    "LayerReport",
+    "ZstdLinearError",
     "__version__",
-    "companion_path",
     "compress_model",
-    "compressed_layers",
     "compression_report",
     "compression_stats",
     "decompress_model",
-    "encode_weight",
     "load_compressed",
-    "read_file",
     "reset_stats",
     "save_compressed",
     "set_policy",
-    "write_file",
 ]

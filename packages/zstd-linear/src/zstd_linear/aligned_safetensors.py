@@ -16,6 +16,8 @@ import struct
 
 import torch
 
+from zstd_linear.errors import ZstdLinearError
+
 ALIGN = 64
 PAD_PREFIX = "__zstd_linear_pad__"
 # safetensors' dtype names; the companion reader accepts these.
@@ -39,16 +41,16 @@ def write_aligned(
     every tensor's data at a file offset that is a multiple of ``ALIGN``.
 
     Raises:
-        ValueError: a tensor's dtype is not one of ``DTYPES``, or a name starts with
+        ZstdLinearError: a tensor's dtype is not one of ``DTYPES``, or a name starts with
             ``PAD_PREFIX``.
     """
     for name, tensor in tensors.items():
         if tensor.dtype not in _NAMES:
-            raise ValueError(
+            raise ZstdLinearError(
                 f"tensor {name!r} has dtype {tensor.dtype}; supported: {sorted(DTYPES)}"
             )
         if name.startswith(PAD_PREFIX):
-            raise ValueError(f"tensor name {name!r} is reserved for padding")
+            raise ZstdLinearError(f"tensor name {name!r} is reserved for padding")
     header: dict[str, dict] = {"__metadata__": metadata}
     parts: list[torch.Tensor] = []  # (nbytes,) uint8 each, in file order
     offset = 0

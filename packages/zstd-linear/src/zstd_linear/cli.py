@@ -15,6 +15,7 @@ import torch
 
 from zstd_linear.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LAYOUT, CodecConfig, encode_weight
 from zstd_linear.decoder import Decoder, default_threads
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.fileformat import read_file, write_file
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 from zstd_linear.model import compress_model, compression_stats
@@ -28,7 +29,9 @@ from zstd_linear.serialize import load_compressed, save_compressed
 def _safetensors_files(src: Path) -> list[Path]:
     files = sorted(src.glob("*.safetensors")) if src.is_dir() else [src]
     if not files or not all(f.is_file() for f in files):
-        raise ValueError(f"SRC must be a .safetensors file or a directory holding some, got {src}")
+        raise ZstdLinearError(
+            f"SRC must be a .safetensors file or a directory holding some, got {src}"
+        )
     return files
 
 
@@ -42,7 +45,7 @@ def _load_linear_tensors(src: Path, include: list[str], exclude: list[str]):
         try:
             tensors.update(load_file(str(f)))
         except SafetensorError as exc:
-            raise ValueError(
+            raise ZstdLinearError(
                 f"{f} is not a safetensors file ({exc}); SRC must be a Hugging Face model "
                 "directory (config.json), a .gguf file, or .safetensors files"
             ) from None
@@ -58,7 +61,7 @@ def _load_linear_tensors(src: Path, include: list[str], exclude: list[str]):
             continue
         chosen[name] = (tensor, tensors.get(f"{name}.bias"))
     if not chosen:
-        raise ValueError(f"no 2-D float '*.weight' tensor in {src} matches the filters")
+        raise ZstdLinearError(f"no 2-D float '*.weight' tensor in {src} matches the filters")
     return chosen
 
 
@@ -72,12 +75,12 @@ def _load_model(src: Path):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise ValueError(
+        raise ZstdLinearError(
             "compressing a model directory or GGUF needs transformers: "
             "pip install 'zstd-linear[hf]'"
         ) from None
     if not src.exists():
-        raise ValueError(f"SRC {src} does not exist")
+        raise ZstdLinearError(f"SRC {src} does not exist")
     if src.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
     else:
@@ -170,7 +173,7 @@ def _tokenizer(args):
         return AutoTokenizer.from_pretrained(args.tokenizer)
     source = recorded_source(args.file)
     if source is None:
-        raise ValueError(f"{args.file} records no source model: pass --tokenizer DIR")
+        raise ZstdLinearError(f"{args.file} records no source model: pass --tokenizer DIR")
     path = Path(source)
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -296,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, OSError, ImportError) as exc:
         # Expected failures (a bad or damaged file, a missing one, a missing extra; the
-        # package's CompressedFileError and DecodeError are ValueErrors): one line, exit
-        # 2, as argparse reports a bad argument.
+        # package's ZstdLinearError and its subclasses are ValueErrors, as are the
+        # transformers loaders' refusals): one line, exit 2, as argparse reports a bad
+        # argument.
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import zstandard
 
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES, dtype_name
 
 DEFAULT_LEVEL = 3
@@ -65,21 +66,21 @@ class CodecConfig:
 
     def __post_init__(self):
         if isinstance(self.level, bool) or not isinstance(self.level, int):
-            raise ValueError(f"level must be an int in 1..22, got {self.level!r}")
+            raise ZstdLinearError(f"level must be an int in 1..22, got {self.level!r}")
         if not 1 <= self.level <= 22:
-            raise ValueError(f"level must be in 1..22, got {self.level}")
+            raise ZstdLinearError(f"level must be in 1..22, got {self.level}")
         if self.layout != "auto" and self.layout not in LAYOUTS:
-            raise ValueError(
+            raise ZstdLinearError(
                 f"layout must be 'auto' or one of {sorted(LAYOUTS)}, got {self.layout!r}"
             )
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
+            raise ZstdLinearError(f"chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
         if (
             isinstance(self.raw_below, bool)
             or not isinstance(self.raw_below, (int, float))
             or not 0 <= self.raw_below < 1
         ):
-            raise ValueError(f"raw_below must be a number in [0, 1), got {self.raw_below!r}")
+            raise ZstdLinearError(f"raw_below must be a number in [0, 1), got {self.raw_below!r}")
 
     def layout_for(self, dtype: str) -> str:
         """The LAYOUTS name a weight of ``dtype`` (a SUPPORTED_DTYPES name) is encoded with."""
@@ -123,7 +124,7 @@ class Frame:
         if isinstance(self.kind, bool):
             object.__setattr__(self, "kind", "raw" if self.kind else "zstd")
         if self.kind not in FRAME_KINDS:
-            raise ValueError(f"kind must be one of {FRAME_KINDS}, got {self.kind!r}")
+            raise ZstdLinearError(f"kind must be one of {FRAME_KINDS}, got {self.kind!r}")
 
     @property
     def raw(self) -> bool:
@@ -275,10 +276,10 @@ def encode_weight(
     """
     config = config or CodecConfig()
     if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        raise ZstdLinearError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     name = dtype_name(weight.dtype)
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (out_features, in_features), got {weight.shape}")
+        raise ZstdLinearError(f"weight must be 2-D (out_features, in_features), got {weight.shape}")
     int_dtype = SUPPORTED_DTYPES[name][1]
     flat = weight.detach().to("cpu").contiguous().view(-1)
     # (numel,) raw bit patterns; torch cannot reinterpret an empty tensor's dtype

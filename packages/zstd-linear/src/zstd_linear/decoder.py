@@ -30,7 +30,7 @@ import zstandard
 
 from zstd_linear._core import ffi, join_planes, lib, unpack_bits
 from zstd_linear.codec import FRAME_KINDS, EncodedWeight, view_weight
-from zstd_linear.errors import CompressedFileError
+from zstd_linear.errors import CompressedFileError, ZstdLinearError
 from zstd_linear.layout import LAYOUTS
 
 
@@ -43,10 +43,10 @@ def default_threads() -> int:
 
 
 def check_threads(threads: int | None) -> int:
-    """``threads`` itself (None -> default_threads()); ValueError unless an int >= 1."""
+    """``threads`` itself (None -> default_threads()); ZstdLinearError unless an int >= 1."""
     threads = default_threads() if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        raise ZstdLinearError(f"threads must be an int >= 1, got {threads!r}")
     return threads
 
 
@@ -223,16 +223,16 @@ class Decoder:
     """Decodes EncodedWeights with ``threads`` worker threads (1 = in the calling thread).
 
     backend: "auto" (default: "c" where python-zstandard has its cffi module, else
-    "python"), "c" (ValueError where it is missing) or "python"; see the module
+    "python"), "c" (ZstdLinearError where it is missing) or "python"; see the module
     docstring. ``self.backend`` says which one decodes.
     """
 
     def __init__(self, threads: int | None = None, backend: str = "auto"):
         self.threads = threads = check_threads(threads)
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise ZstdLinearError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "c" and not c_backend_available():
-            raise ValueError(
+            raise ZstdLinearError(
                 "backend 'c' needs python-zstandard's cffi module (zstandard._cffi), which "
                 "this installation lacks; use backend='python'"
             )
@@ -275,7 +275,7 @@ class Decoder:
                     if isinstance(out, torch.Tensor)
                     else type(out).__name__
                 )
-                raise ValueError(
+                raise ZstdLinearError(
                     f"out must be a uint8 tensor of {encoded.original_bytes} bytes, got {got}"
                 )
             segments.append((encoded, range(len(encoded.frames)), out.numpy(), 0))
@@ -290,14 +290,14 @@ class Decoder:
         if not (
             isinstance(chunks, range) and chunks.step == 1 and 0 <= chunks.start < chunks.stop <= n
         ):
-            raise ValueError(
+            raise ZstdLinearError(
                 f"chunks must be a non-empty range(a, b) within 0..{n}, got {chunks!r}"
             )
         first, last = encoded.span_range(chunks)
         width = encoded.itemsize
         nbytes = (last - first) * width
         if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
-            raise ValueError(
+            raise ZstdLinearError(
                 f"out must be a contiguous uint8 tensor of {nbytes} bytes, got {out.dtype} "
                 f"of {out.numel()}"
             )
@@ -307,11 +307,11 @@ class Decoder:
         """Decode chunk ``c`` alone into ``out``: a uint8 CPU tensor of exactly the chunk's
         bytes (elements ``encoded.chunk_range(c)``, row-major), in the calling thread."""
         if not 0 <= c < len(encoded.frames):
-            raise ValueError(f"chunk must be in 0..{len(encoded.frames) - 1}, got {c}")
+            raise ZstdLinearError(f"chunk must be in 0..{len(encoded.frames) - 1}, got {c}")
         start, stop = encoded.chunk_range(c)
         nbytes = (stop - start) * encoded.itemsize
         if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
-            raise ValueError(
+            raise ZstdLinearError(
                 f"out must be a uint8 tensor of {nbytes} bytes, got {out.dtype} of {out.numel()}"
             )
         self._decode_segment(encoded, range(c, c + 1), out.numpy(), start * encoded.itemsize)

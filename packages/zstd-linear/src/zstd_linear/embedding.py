@@ -8,6 +8,7 @@ import torch
 from zstd_linear.codec import EncodedWeight
 from zstd_linear.compressed import CompressedModule
 from zstd_linear.decoder import Decoder
+from zstd_linear.errors import ZstdLinearError
 
 
 class CompressedEmbedding(CompressedModule):
@@ -17,13 +18,24 @@ class CompressedEmbedding(CompressedModule):
     table's dtype. A lookup decodes only the 256 KiB chunks that hold the rows asked
     for (one chunk per generated token), into one reused chunk-sized buffer. When the
     model ties its lm_head to this table, the lm_head is a CompressedLinear over the
-    same EncodedWeight: the bytes are stored once and serve both uses.
+    same EncodedWeight: the bytes are stored once and serve both uses. Made by
+    ``compress_model(model, embeddings=True)`` and ``load_compressed``.
+
+    Args:
+        encoded: the table, (num_embeddings, embedding_dim), as ``zstd_linear.codec.
+            encode_weight`` returns it.
+        name: the fully qualified module name.
+        padding_idx: kept for ``decompress_model``'s nn.Embedding; the lookup itself
+            is plain.
+
+    Raises:
+        ZstdLinearError: ``encoded`` is not 2-D.
     """
 
     def __init__(self, encoded: EncodedWeight, name: str = "", padding_idx: int | None = None):
         super().__init__()
         if len(encoded.shape) != 2:
-            raise ValueError(f"encoded table must be 2-D, got shape {encoded.shape}")
+            raise ZstdLinearError(f"encoded table must be 2-D, got shape {encoded.shape}")
         self.num_embeddings, self.embedding_dim = encoded.shape
         self.encoded = encoded
         self.name = name
@@ -32,6 +44,11 @@ class CompressedEmbedding(CompressedModule):
         self._chunk: torch.Tensor | None = None  # (chunk bytes,) uint8, reused
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: (...) int64 -> (..., embedding_dim), the table's dtype.
+
+        Raises:
+            IndexError: an id outside 0..num_embeddings - 1.
+        """
         n, d = self.num_embeddings, self.embedding_dim
         flat = input_ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from zstd_linear.codec import CodecConfig, EncodedWeight, encode_weight
 from zstd_linear.compressed import CompressedModule
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.layout import dtype_name
 
 
@@ -24,23 +25,30 @@ class WeightSource(Protocol):
 class CompressedLinear(CompressedModule):
     """Drop-in for nn.Linear: ``y = x @ W.T + b`` with W decoded losslessly on demand.
 
-    x: (..., in_features), the weight's dtype; returns (..., out_features). The bias
-    stays a plain (out_features,) parameter (tiny). When and how long the decoded
-    weight lives is the model's caching policy (see compress_model): the model's
-    runtime binds each of its layers to itself and serves the weight. A layer built on
-    its own (no runtime) decodes a fresh copy on every call and keeps nothing.
+    When and how long the decoded weight lives is the model's caching policy (see
+    compress_model): the model's runtime binds each of its layers to itself and serves
+    the weight. A layer built on its own (no runtime) decodes a fresh copy on every
+    call and keeps nothing. Inference only.
 
-    name: the fully qualified module name; it keys the layer in caches and files.
+    Args:
+        encoded: the weight, (out_features, in_features), as ``zstd_linear.codec.
+            encode_weight`` returns it.
+        bias: (out_features,), any float dtype, or None; kept as a plain parameter
+            (a copy).
+        name: the fully qualified module name; it keys the layer in caches and files.
+
+    Raises:
+        ZstdLinearError: ``encoded`` is not 2-D, or ``bias`` is not (out_features,).
     """
 
     def __init__(self, encoded: EncodedWeight, bias: torch.Tensor | None = None, name: str = ""):
         super().__init__()
         if len(encoded.shape) != 2:
-            raise ValueError(f"encoded weight must be 2-D, got shape {encoded.shape}")
+            raise ZstdLinearError(f"encoded weight must be 2-D, got shape {encoded.shape}")
         out_features, in_features = encoded.shape
         if bias is not None:
             if tuple(bias.shape) != (out_features,):
-                raise ValueError(
+                raise ZstdLinearError(
                     f"bias must have shape ({out_features},) for layer {name!r}, "
                     f"got {tuple(bias.shape)}"
                 )
@@ -52,7 +60,7 @@ class CompressedLinear(CompressedModule):
         self.bias = bias
         # The runtime that owns this layer: bound by compress_model / load_compressed,
         # unbound by decompress_model.
-        self._container: WeightSource | None = None
+        self._runtime: WeightSource | None = None
 
     @classmethod
     def from_linear(
@@ -62,14 +70,35 @@ class CompressedLinear(CompressedModule):
         name: str = "",
         executor: Executor | None = None,
     ) -> CompressedLinear:
+        """Encode ``linear``'s weight into a standalone CompressedLinear (``linear`` is
+        left as it is).
+
+        Args:
+            linear: an nn.Linear, its weight float32, bfloat16 or float16 on the CPU.
+            config: the codec's settings (default ``CodecConfig()``).
+            name: the fully qualified module name.
+            executor: runs the chunks' zstd encodes in parallel, if given.
+
+        Returns:
+            CompressedLinear: same shapes and outputs, bit for bit.
+
+        Raises:
+            ZstdLinearError: ``linear`` is not an nn.Linear, or its dtype is not
+                supported.
+        """
         if not isinstance(linear, nn.Linear):
-            raise ValueError(
+            raise ZstdLinearError(
                 f"{name or 'module'} must be an nn.Linear, got {type(linear).__name__}"
             )
         dtype_name(linear.weight.dtype)  # raises for unsupported dtypes
         return cls(encode_weight(linear.weight, config, executor), linear.bias, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in_features), the weight's dtype -> (..., out_features).
+
+        Raises:
+            RuntimeError: ``x`` requires grad with grad enabled (inference only).
+        """
         if x.requires_grad and torch.is_grad_enabled():
             # The decoded weight's buffer is refilled by later decodes, so autograd
             # could not keep it for the backward pass.
@@ -77,10 +106,10 @@ class CompressedLinear(CompressedModule):
                 f"CompressedLinear {self.name!r} is inference-only: call it under "
                 "torch.no_grad() / torch.inference_mode(), or decompress_model first"
             )
-        container = self._container
-        if container is None:
+        runtime = self._runtime
+        if runtime is None:
             return F.linear(x, self.weight, self.bias)
-        return container.linear(self.name, x, self.bias)
+        return runtime.linear(self.name, x, self.bias)
 
     def _shape_repr(self) -> str:
         return (

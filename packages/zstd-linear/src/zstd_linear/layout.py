@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zstd_linear.errors import ZstdLinearError
+
 #: dtypes a CompressedLinear can hold, by name, with their unsigned integer twin.
 SUPPORTED_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float32": (torch.float32, np.dtype("<u4")),
@@ -28,11 +30,11 @@ SUPPORTED_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The SUPPORTED_DTYPES key of ``dtype``; ValueError for anything else."""
+    """The SUPPORTED_DTYPES key of ``dtype``; ZstdLinearError for anything else."""
     for name, (torch_dtype, _) in SUPPORTED_DTYPES.items():
         if torch_dtype == dtype:
             return name
-    raise ValueError(
+    raise ZstdLinearError(
         f"dtype must be one of {sorted(SUPPORTED_DTYPES)} (float32, bfloat16, float16), got {dtype}"
     )
 

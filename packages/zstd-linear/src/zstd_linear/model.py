@@ -17,6 +17,7 @@ from zstd_linear.codec import (
 )
 from zstd_linear.decoder import check_threads
 from zstd_linear.embedding import CompressedEmbedding
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.guards import guard, unguard
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.layout import SUPPORTED_DTYPES, dtype_name
@@ -39,7 +40,7 @@ def _patterns(value, param: str) -> list[str]:
         return [value]
     items = list(value)
     if not all(isinstance(v, str) for v in items):
-        raise ValueError(f"{param} must be a glob string or a list of them, got {value!r}")
+        raise ZstdLinearError(f"{param} must be a glob string or a list of them, got {value!r}")
     return items
 
 
@@ -62,7 +63,7 @@ def select_linears(
         hits = [n for n in modules if fnmatchcase(n, pattern)]
         if not any(isinstance(modules[n], nn.Linear) for n in hits):
             kinds = sorted({type(modules[n]).__name__ for n in hits}) or ["nothing"]
-            raise ValueError(
+            raise ZstdLinearError(
                 f"include pattern {pattern!r} must match an nn.Linear, it matches {kinds}"
             )
     owners = _tied_names(model)
@@ -81,22 +82,23 @@ def select_linears(
             skipped[name] = f"weight tied to {', '.join(others)}"
             continue
         if module.weight.dtype not in {t for t, _ in SUPPORTED_DTYPES.values()}:
-            raise ValueError(
+            raise ZstdLinearError(
                 f"layer {name!r} has dtype {module.weight.dtype}; supported: "
                 f"{sorted(SUPPORTED_DTYPES)}"
             )
         if module.weight.device.type != "cpu":
-            raise ValueError(f"layer {name!r} must be on the CPU, got {module.weight.device}")
+            raise ZstdLinearError(f"layer {name!r} must be on the CPU, got {module.weight.device}")
         chosen.append(name)
     if not chosen:
-        raise ValueError(f"no nn.Linear to compress (include={inc}, exclude={exc})")
+        raise ZstdLinearError(f"no nn.Linear to compress (include={inc}, exclude={exc})")
     return chosen, skipped
 
 
 def runtime_of(model: nn.Module) -> ModelRuntime:
+    """The runtime attached to ``model``; ZstdLinearError if it is not compressed."""
     runtime = model.__dict__.get(RUNTIME_ATTR)
     if runtime is None:
-        raise ValueError("model is not compressed: call compress_model or load_compressed")
+        raise ZstdLinearError("model is not compressed: call compress_model or load_compressed")
     return runtime
 
 
@@ -125,11 +127,13 @@ def own_forward(module: nn.Module) -> str | None:
 
 def check_embedding(name: str, module: nn.Module) -> None:
     if module.max_norm is not None:
-        raise ValueError(f"embedding {name!r} has max_norm (it renormalises rows): not supported")
+        raise ZstdLinearError(
+            f"embedding {name!r} has max_norm (it renormalises rows): not supported"
+        )
     if module.weight.device.type != "cpu":
-        raise ValueError(f"embedding {name!r} must be on the CPU, got {module.weight.device}")
+        raise ZstdLinearError(f"embedding {name!r} must be on the CPU, got {module.weight.device}")
     if module.weight.numel() == 0:
-        raise ValueError(f"embedding {name!r} is empty")
+        raise ZstdLinearError(f"embedding {name!r} is empty")
     dtype_name(module.weight.dtype)
 
 
@@ -144,7 +148,7 @@ def install(
     """Swap ``layers`` (fqn -> CompressedLinear) and ``embeddings`` (fqn ->
     CompressedEmbedding) into ``model`` and attach the runtime."""
     if RUNTIME_ATTR in model.__dict__:
-        raise ValueError("model is already compressed: call decompress_model first")
+        raise ZstdLinearError("model is already compressed: call decompress_model first")
     runtime = ModelRuntime(
         layers, policy=policy, threads=threads, embeddings=embeddings, **policy_options
     )
@@ -192,28 +196,55 @@ def compress_model(
 ) -> CompressionReport:
     """Replace ``model``'s nn.Linear layers by CompressedLinear, in place.
 
-    include / exclude: globs over fully qualified module names (default: every
-    Linear). A Linear whose weight is tied to another parameter stays plain and is
-    listed in ``report.skipped``. embeddings: also compress every nn.Embedding (into
-    CompressedEmbedding); a Linear tied to one (SmolLM2's lm_head) then becomes a
-    CompressedLinear over the same compressed table, stored once. An embedding whose
-    class has its own forward (Gemma's scaled one, OPT's positions) stays plain, with
-    any Linear tied to it, and is listed in ``report.skipped``. layout, chunk_bytes,
-    raw_below: see CodecConfig. policy: a POLICIES name; policy_options go to it
-    (``window`` for per_pass_prefetch; ``budget_bytes`` or ``memory_limit``, and
-    ``window``, for budget). threads: decode and compression threads (default
-    min(2, cores)). progress: a bar on stderr, drawn before the first layer is encoded
-    (default None: on when the weights to encode exceed PROGRESS_MIN_BYTES, 64 MiB,
-    about 10 s at ~10 MB/s per core). Everything is validated before the model changes.
+    Each weight is encoded losslessly (outputs stay bit-identical) and decoded on
+    demand; a runtime attached to ``model`` counts its forward passes and serves the
+    weights through the caching policy. Everything is validated before the model
+    changes.
+
+    Args:
+        model: any nn.Module; its Linear weights float32, bfloat16 or float16, on the
+            CPU.
+        include: glob(s) over fully qualified module names; each must match an
+            nn.Linear. Default: every Linear.
+        exclude: glob(s) of Linear layers to leave plain.
+        level: zstd level, 1..22.
+        policy: a ``POLICIES`` name: ``"none"``, ``"per_pass"``,
+            ``"per_pass_prefetch"``, ``"budget"`` or ``"resident"``.
+        layout: how a weight's bytes are split into planes (``zstd_linear.layout.
+            LAYOUTS``, or ``"auto"``: per dtype); see ``zstd_linear.codec.CodecConfig``.
+        chunk_bytes: bytes of weight per independently decoded chunk (>= 4096).
+        raw_below: a plane is stored raw or bit-packed when zstd saves less than this
+            share of it, in [0, 1).
+        threads: decode and compression threads (default min(2, cores)).
+        progress: a bar on stderr, drawn before the first layer is encoded. None: on
+            when the weights to encode exceed ``PROGRESS_MIN_BYTES`` (64 MiB, about
+            10 s at ~10 MB/s per core).
+        embeddings: also compress every plain nn.Embedding (into CompressedEmbedding);
+            a Linear tied to one (SmolLM2's lm_head) becomes a CompressedLinear over
+            the same frames, stored once. An embedding whose class has its own forward
+            (Gemma's scaled one, OPT's positions) stays plain, with any Linear tied to
+            it, and is listed in ``report.skipped``.
+        **policy_options: passed to the policy: ``window`` (per_pass_prefetch, budget);
+            ``budget_bytes`` or ``memory_limit`` (an int or ``"auto"``), and
+            ``headroom_bytes`` (budget).
+
+    Returns:
+        CompressionReport: one LayerReport per stored weight (sizes, ratio) and
+        ``skipped``, name -> why a Linear or embedding stayed plain (a tied weight).
+
+    Raises:
+        ZstdLinearError: a bad argument (a policy name or option, a level, a glob that
+            matches no Linear, an unsupported dtype or device, nothing to compress) or
+            a model that is already compressed; ``model`` is unchanged.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise ZstdLinearError(f"model must be an nn.Module, got {type(model).__name__}")
     if RUNTIME_ATTR in model.__dict__:
-        raise ValueError("model is already compressed: call decompress_model first")
+        raise ZstdLinearError("model is already compressed: call decompress_model first")
     config = CodecConfig(level=level, layout=layout, chunk_bytes=chunk_bytes, raw_below=raw_below)
     threads = check_threads(threads)
     if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     names, skipped = select_linears(model, include, exclude)
     tables = []
     for name, module in model.named_modules() if embeddings else ():
@@ -252,7 +283,19 @@ def compress_model(
 
 
 def decompress_model(model: nn.Module) -> nn.Module:
-    """Put plain nn.Linear layers (bit-identical weights) back and detach the runtime."""
+    """Put plain nn.Linear (and nn.Embedding) modules back, in place, and detach the
+    runtime. The weights are bit-identical to the compressed ones; a tied lm_head is
+    tied to the restored embedding again.
+
+    Args:
+        model: a model compressed by ``compress_model`` or ``load_compressed``.
+
+    Returns:
+        ``model`` itself, uncompressed.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed.
+    """
     runtime = runtime_of(model)
     unguard(model)
     tables = {}
@@ -291,24 +334,66 @@ def decompress_model(model: nn.Module) -> nn.Module:
 
 
 def set_policy(model: nn.Module, policy: str, **policy_options) -> None:
-    """Switch a compressed model's caching policy (drops every decoded weight)."""
+    """Switch a compressed model's caching policy; every decoded weight is dropped.
+
+    Args:
+        model: a compressed model.
+        policy: a ``POLICIES`` name.
+        **policy_options: the policy's options, as for ``compress_model``.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed, or a bad policy name or option;
+            the old policy stays in place.
+    """
     runtime_of(model).set_policy(policy, **policy_options)
 
 
 def compression_stats(model: nn.Module) -> DecodeStats:
-    """The live counters of a compressed model (see DecodeStats)."""
+    """The live counters of a compressed model's decoding work.
+
+    Args:
+        model: a compressed model.
+
+    Returns:
+        DecodeStats (``zstd_linear.stats``): forward passes, decompressions, bytes and
+        seconds decoding, decoded bytes held now and at peak, compressed bytes split
+        into anonymous and file-backed. The same object keeps counting.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed.
+    """
     return runtime_of(model).stats
 
 
 def reset_stats(model: nn.Module) -> None:
+    """Zero a compressed model's counters; the decoded bytes held now become the peak.
+
+    Args:
+        model: a compressed model.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed.
+    """
     runtime_of(model).reset_stats()
 
 
 def compression_report(model: nn.Module) -> CompressionReport:
-    """The CompressionReport of a compressed model's stored modules (as load_compressed
-    with a model returns it; report.skipped is empty)."""
+    """What a compressed model stores, as ``load_compressed(path, model)`` reports it.
+
+    Args:
+        model: a compressed model.
+
+    Returns:
+        CompressionReport: one LayerReport per stored weight (a tied lm_head shares its
+        embedding's); ``skipped`` is empty.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed.
+    """
     return report_of(runtime_of(model).stored_weights(), {})
 
 
 def compressed_layers(model: nn.Module) -> dict[str, CompressedLinear]:
+    """Fully qualified name -> CompressedLinear, for every compressed Linear of ``model``
+    (a tied lm_head included); ZstdLinearError if it is not compressed."""
     return dict(runtime_of(model).layers)

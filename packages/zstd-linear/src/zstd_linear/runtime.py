@@ -1,4 +1,5 @@
-"""ModelRuntime: the container that compress_model attaches to the root module."""
+"""ModelRuntime: the runtime that compress_model attaches to the root module: it owns the
+compressed modules and serves their weights through the caching policy."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from zstd_linear.buffers import BufferPool
 from zstd_linear.codec import view_weight
 from zstd_linear.decoder import Decoder, check_threads
 from zstd_linear.embedding import CompressedEmbedding
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.policies import BackingStore, CachePolicy, make_policy
 from zstd_linear.stats import DecodeStats
@@ -57,7 +59,7 @@ class ModelRuntime:
     ):
         threads = check_threads(threads)
         if not layers:
-            raise ValueError("layers must name at least one CompressedLinear, got none")
+            raise ZstdLinearError("layers must name at least one CompressedLinear, got none")
         self.layers = dict(layers)
         self.embeddings = dict(embeddings or {})
         self.stats = DecodeStats()
@@ -87,7 +89,7 @@ class ModelRuntime:
         self.policy: CachePolicy = make_policy(policy, self._store, **policy_options)
         self.decoder = Decoder(threads)
         for layer in self.layers.values():
-            layer._container = self
+            layer._runtime = self
 
     def stored_weights(self) -> list:
         """The model's compressed modules (layers and embeddings) as stored: a tied
@@ -239,4 +241,4 @@ class ModelRuntime:
             self._hook.remove()
             self._hook = None
         for layer in self.layers.values():
-            layer._container = None
+            layer._runtime = None

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from zstd_linear.decoder import check_threads
 from zstd_linear.embedding import CompressedEmbedding
-from zstd_linear.errors import CompressedFileError
+from zstd_linear.errors import CompressedFileError, ZstdLinearError
 from zstd_linear.fileformat import read_file, write_file
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.model import RUNTIME_ATTR, install, own_forward, report_of, runtime_of, tied_to
@@ -24,13 +24,25 @@ def _name(dtype: torch.dtype) -> str:
 def save_compressed(
     model: nn.Module, path: str | os.PathLike, *, source: str | os.PathLike | None = None
 ) -> None:
-    """Write every CompressedLinear (with its bias) and CompressedEmbedding of ``model``
-    to ``path`` (.zlin). A tied lm_head is not written: its table is the embedding's.
+    """Write a compressed model to ``path`` (.zlin) and, for a transformers model, the
+    rest of it beside it.
 
-    For a transformers model (one with a ``config``), the rest of it (norms, and any
-    Linear left plain) and its config go to ``<path>.safetensors`` beside it, so that
-    ``load_compressed(path)`` can build the model alone; ``source`` (the model directory
-    or GGUF it came from) is recorded there for ``zstd-linear run``'s tokenizer."""
+    Every CompressedLinear (with its bias) and CompressedEmbedding goes to ``path``; a
+    tied lm_head is not written, its table is the embedding's. For a model with a
+    ``config`` (transformers), the other tensors (norms, any Linear left plain) and the
+    config go to ``<path>.safetensors``, so that ``load_compressed(path)`` builds the
+    model alone. Both files are written to a temporary name and renamed.
+
+    Args:
+        model: a compressed model.
+        path: the .zlin file to write; replaced if it exists.
+        source: the model directory or GGUF file it came from, recorded in the
+            companion for ``zstd-linear run``'s tokenizer.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed.
+        OSError: the file cannot be written.
+    """
     runtime = runtime_of(model)
     write_file(
         path, [(m.name, m.encoded, getattr(m, "bias", None)) for m in runtime.stored_weights()]
@@ -47,36 +59,49 @@ def load_compressed(
     threads: int | None = None,
     **policy_options,
 ):
-    """The model of ``path`` (model=None), or ``model`` with the layers of ``path`` in.
+    """Build the model of ``path``, or put the layers of ``path`` into ``model``.
 
-    Without ``model``: builds the model with transformers' ``AutoModelForCausalLM.
-    from_config`` from the config kept in ``<path>.safetensors`` (written beside the
-    .zlin file by ``save_compressed`` of a transformers model), every parameter on the
-    meta device, so the plain model is never materialised; fills the non-compressed
-    tensors (norms) as views of that file, mapped, and the compressed modules from
-    ``path``; returns the model in eval mode (``compression_stats(model)``, and
-    ``compressed_layers`` describe it). Needs ``zstd-linear[hf]``.
+    The .zlin file is memory-mapped: its compressed frames stay file-backed pages,
+    which a memory limit can evict. The file is fully verified (every weight decoded
+    once against its checksum) and every layer checked against the model before the
+    model changes. A name in the file may be an nn.Embedding (a file written after
+    ``compress_model(..., embeddings=True)``): it becomes a CompressedEmbedding, and
+    every Linear tied to it (SmolLM2's lm_head) a CompressedLinear over the same frames.
 
-    With ``model`` (0.2's form): replaces its nn.Linear layers named in ``path`` by
-    CompressedLinear, in place, and returns the CompressionReport.
+    Args:
+        path: a .zlin file written by ``save_compressed``.
+        model: None to build the model with transformers' ``AutoModelForCausalLM.
+            from_config`` from the config in ``<path>.safetensors``, every parameter on
+            the meta device, so the plain model is never materialised (needs
+            ``zstd-linear[hf]``). Or a model (0.2's form) whose nn.Linear layers named
+            in the file, each of the file's shape, dtype and bias, are replaced in
+            place.
+        policy: a ``POLICIES`` name.
+        threads: decode threads (default min(2, cores)).
+        **policy_options: the policy's options, as for ``compress_model``.
 
-    The file is memory-mapped: its compressed frames stay file-backed pages. A name
-    may also be an nn.Embedding (a file written with ``compress_model(...,
-    embeddings=True)``): it becomes a CompressedEmbedding, and every Linear tied to it
-    (SmolLM2's lm_head) a CompressedLinear over the same frames. Each named Linear must
-    be of the file's shape, dtype and bias (dtype included); the file is fully verified (every weight decoded once against its
-    checksum) and every layer checked before ``model`` changes. A damaged file, or one
-    that does not fit ``model``, raises CompressedFileError (a ValueError).
+    Returns:
+        Without ``model``: the model, in eval mode. With ``model``: the
+        CompressionReport of the layers put in.
+
+    Raises:
+        ZstdLinearError: a bad argument (the policy name and threads are checked
+            before the file is read, policy options before the model changes), or
+            ``model`` is already compressed.
+        CompressedFileError: ``path`` or its companion is damaged, of another version,
+            or does not fit ``model``; ``model`` is unchanged.
+        FileNotFoundError: ``path`` does not exist.
+        ImportError: ``model`` is None and transformers is not installed.
     """
     build = model is None
     if not build and not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise ZstdLinearError(f"model must be an nn.Module, got {type(model).__name__}")
     if not build and RUNTIME_ATTR in model.__dict__:
-        raise ValueError("model is already compressed: call decompress_model first")
+        raise ZstdLinearError("model is already compressed: call decompress_model first")
     # Arguments first: reading verifies every weight, too long to waste on a typo.
     threads = check_threads(threads)
     if not isinstance(policy, str) or policy not in POLICIES:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
     if build:
         model = build_model(path)
     entries = read_file(path, threads=threads)
@@ -173,6 +198,7 @@ def _replaced_hint(modules: dict[str, nn.Module], name: str) -> str:
                 f": {parent!r} is a {type(module).__name__}, which replaced the layers below "
                 f"it. Write the file without them: compress_model(model, "
                 f"exclude='*.{parent.rpartition('.')[2]}.*') before the other package's step, "
-                "then save_compressed; or write_file(path, the read_file entries you keep)"
+                "then save_compressed; or zstd_linear.fileformat.write_file(path, the read_file "
+                "entries you keep)"
             )
     return ""

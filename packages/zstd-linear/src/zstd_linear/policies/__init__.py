@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.policies.base import BackingStore, CachePolicy
 from zstd_linear.policies.budget import Budget
 from zstd_linear.policies.none import NoCache
@@ -15,13 +16,13 @@ POLICIES: dict[str, type[CachePolicy]] = {
 
 
 def make_policy(name: str, store: BackingStore, **options) -> CachePolicy:
-    """The policy ``name`` over ``store``; ValueError for an unknown name or option."""
+    """The policy ``name`` over ``store``; ZstdLinearError for an unknown name or option."""
     if name not in POLICIES:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
     try:
         return POLICIES[name](store, **options)
     except TypeError as exc:
-        raise ValueError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from None
+        raise ZstdLinearError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from None
 
 
 __all__ = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.policies.base import BackingStore, CachePolicy
 from zstd_linear.policies.prefetch import PerPassPrefetch
 from zstd_linear.sysmem import process_memory_limit, resident_bytes
@@ -104,9 +105,9 @@ class Budget(CachePolicy):
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 kind = 'an int >= 0 or "auto"' if param == "memory_limit" else "an int >= 0"
-                raise ValueError(f"{param} must be {kind}, got {value!r}")
+                raise ZstdLinearError(f"{param} must be {kind}, got {value!r}")
         if (budget_bytes is None) == (memory_limit is None):
-            raise ValueError(
+            raise ZstdLinearError(
                 "give exactly one of budget_bytes (decoded bytes to pin) or memory_limit "
                 f"(the process's limit), got budget_bytes={budget_bytes!r}, "
                 f"memory_limit={memory_limit!r}"

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.policies.base import BackingStore, CachePolicy
 
 
@@ -27,7 +28,7 @@ class PerPassPrefetch(CachePolicy):
 
     def __init__(self, store: BackingStore, window: int = 2):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+            raise ZstdLinearError(f"window must be an int >= 1, got {window!r}")
         super().__init__(store)
         self.window = window
         self._sequence: list[str] | None = None  # layer calls of one pass, in order
