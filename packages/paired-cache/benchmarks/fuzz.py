@@ -3,7 +3,7 @@
 hatch run paired-cache:python packages/paired-cache/benchmarks/fuzz.py [--mutants 2000] [--seed 15] [--quick]
 
 The mutants, the spec and the checker are the test suite's (tests/args_fuzz.py): one
-field of three good scenarios (weights, capacity, CacheConfig, initial mask, updates)
+field of three good scenarios (weights, capacity, PairedCacheConfig, initial mask, updates)
 rewritten to an odd value, a nearby int, a shortened list, deleted, or a key added; each
 scenario constructs a PairedCache and runs its updates, in batches of fresh processes.
 Writes results/fuzz.json.

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from paired_cache.cache import PairedCache
-from paired_cache.config import CacheConfig
+from paired_cache.config import PairedCacheConfig
 from paired_cache.errors import PairedCacheError
 
 METHODS = [
@@ -85,7 +85,7 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig, cold: np.ndarray):
+def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: PairedCacheConfig, cold: np.ndarray):
     """Median microseconds per update, rows moved and bytes moved for each method.
 
     cold: (COLD_BYTES,) uint8, written once, the memcpy methods' DRAM-resident source.
@@ -102,15 +102,18 @@ def run_one(cfg: BenchConfig, dtype_name: str, k: int, config: CacheConfig, cold
     caches = {
         name: PairedCache(up, down, gate, capacity=cfg.m, init_mask=chain[0], config=cfg_)
         for name, cfg_ in (
-            ("paired", CacheConfig(float("inf"), base.grain, base.par_threshold, base.num_threads)),
-            ("rebuild", CacheConfig(0.0, base.grain, base.par_threshold, base.num_threads)),
+            (
+                "paired",
+                PairedCacheConfig(float("inf"), base.grain, base.par_threshold, base.num_threads),
+            ),
+            ("rebuild", PairedCacheConfig(0.0, base.grain, base.par_threshold, base.num_threads)),
             ("hybrid", base),
         )
     }
     # The baselines read a neuron pool of their own (a cache's: the same allocation and
     # interleaved layout, huge pages included): reading the paired cache's pool would warm
     # the very rows that cache adds next and flatter it against the hybrid.
-    pools = PairedCache(up, down, gate, capacity=1, config=CacheConfig(num_threads=1))
+    pools = PairedCache(up, down, gate, capacity=1, config=PairedCacheConfig(num_threads=1))
     del gate, up, down
     t_pool = pools.neuron_pool  # (N, gate + up + hidden)
     # (m, gate + up + hidden): its column blocks [:, :gate + up] and [:, gate + up:] are the
@@ -196,7 +199,7 @@ def run(cfg: BenchConfig, threads: int, progress=None) -> dict:
     threads: the cache's copy threads and torch's intra-op threads alike, so that both
     sides of every comparison get the same cores (memcpy is one thread always).
     """
-    config = CacheConfig(num_threads=threads)
+    config = PairedCacheConfig(num_threads=threads)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BenchConfig(
             n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256), steps=cfg.steps
         )
-    threads = CacheConfig().num_threads if args.threads is None else args.threads
+    threads = PairedCacheConfig().num_threads if args.threads is None else args.threads
     result = run(cfg, threads, progress=lambda s: print(s, file=sys.stderr))
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(markdown(result["columns"], result["rows"]))

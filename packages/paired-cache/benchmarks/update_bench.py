@@ -7,7 +7,7 @@ import sys
 from common import NOISE, write_result
 from microbench import COLD_BYTES, BenchConfig, run
 
-from paired_cache.config import CacheConfig
+from paired_cache.config import PairedCacheConfig
 
 
 def targets_for(result: dict, label: str) -> list[dict]:
@@ -77,7 +77,7 @@ def main(quick: bool) -> None:
     cfg = BenchConfig()
     if quick:
         cfg = BenchConfig(n_rows=2048, hidden=256, cols=256, m=256, ks=(16, 64, 256, 512), steps=20)
-    all_cores = CacheConfig().num_threads
+    all_cores = PairedCacheConfig().num_threads
     for threads in sorted({1, all_cores}):
         result = run(cfg, threads, progress=lambda s: print(s, file=sys.stderr))
         label = f"{threads} thread{'s' if threads > 1 else ''}"
@@ -92,7 +92,7 @@ def main(quick: bool) -> None:
             "|removed| (k/2 of each; k = 2m replaces every row); baselines get precomputed "
             "indices and a neuron pool of their own in the cache's layout (one (N, gate + up + "
             "hidden) row per neuron, one index_select / np.take per rebuild); hybrid uses the "
-            f"default tau = {CacheConfig().hybrid_tau:g} (rebuild "
+            f"default tau = {PairedCacheConfig().hybrid_tau:g} (rebuild "
             "when k > tau * m, m the mean of the active rows before and after). " + BOUND_NOTES,
             save=not quick,
         )

@@ -1,7 +1,7 @@
 """Seeded argument fuzzing of PairedCache: good scenarios, an independent spec, the checker.
 
 The "file" :func:`membound_testing.fuzz.run` damages is a JSON object of named scenarios
-(``GOOD``): the weights (described by shape, dtype and layout), capacity, CacheConfig fields,
+(``GOOD``): the weights (described by shape, dtype and layout), capacity, PairedCacheConfig fields,
 an initial mask and a few update masks (described by length, rows, dtype and kind).
 ``fuzz.mutate_json_bytes`` rewrites one field (to a value of ``fuzz.ODD_VALUES``, a nearby
 int, a shortened or reversed list), deletes it, or adds a key. :func:`check` turns each
@@ -143,7 +143,7 @@ def build_mask(desc):
 
 
 def build_config(desc):
-    from paired_cache import CacheConfig
+    from paired_cache import PairedCacheConfig
 
     if desc is None:
         return None
@@ -154,7 +154,7 @@ def build_config(desc):
         "num_threads",
     }:
         return desc
-    return CacheConfig(**desc)
+    return PairedCacheConfig(**desc)
 
 
 # ---- the spec, independent of the package
@@ -254,7 +254,8 @@ def _as_asked(cache, up, down, gate, capacity, config_desc, rows) -> bool:
 
 def _run_scenario(name, scenario):
     """None if the scenario ran as asked, False if silent, or the PairedCacheError raised."""
-    from paired_cache import PairedCache, PairedCacheError
+    from paired_cache import PairedCacheError
+    from paired_cache.cache import PairedCache
 
     if type(scenario) is not dict:
         scenario = {"up": scenario}

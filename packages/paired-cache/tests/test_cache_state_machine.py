@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paired_cache import CacheConfig, PairedCache
+from paired_cache import PairedCacheConfig
+from paired_cache.cache import PairedCache
 from paired_cache.pool_file import PoolFile, write_pool_file
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -55,7 +56,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.tau = tau
         # gate_rows=False: the active rows hold up and down only (needs a gate to leave out).
         self.gate_rows = gate_rows = gate_rows or not with_gate
-        config = CacheConfig(hybrid_tau=tau, grain=grain, par_threshold=2, num_threads=threads)
+        config = PairedCacheConfig(
+            hybrid_tau=tau, grain=grain, par_threshold=2, num_threads=threads
+        )
         if mapped:
             # The same cache over a pool file, mapped read-only: rows are copied from the
             # mapping, and the pool views alias it.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import paired_cache
 from paired_cache._core import ffi, lib
+from paired_cache.cache import core_info
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_core_is_a_compiled_extension():
 
 
 def test_core_was_built_from_the_current_sources():
-    info = paired_cache.core_info()
+    info = core_info()
     digest = _ffi_build().source_digest()
     assert digest in info, (
         f"the installed C core ({info}) is stale: rebuild it with "

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import make_weights
 
-from paired_cache import CacheConfig, CacheInvariantError, PairedCache, PairedCacheError
+from paired_cache import PairedCacheConfig, PairedCacheError
+from paired_cache.cache import CacheInvariantError, PairedCache
 from paired_cache.config import ENV_GRAIN, ENV_PAR_THRESHOLD, ENV_TAU
 
 N, H = 12, 4
@@ -132,22 +133,22 @@ def test_bad_init_mask_is_rejected_before_allocation():
 )
 def test_bad_config_is_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CacheConfig(**kwargs)
+        PairedCacheConfig(**kwargs)
 
 
 def test_config_reads_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_TAU, "0.25")
     monkeypatch.setenv(ENV_GRAIN, "16")
     monkeypatch.setenv(ENV_PAR_THRESHOLD, "128")
-    config = CacheConfig()
+    config = PairedCacheConfig()
     assert (config.hybrid_tau, config.grain, config.par_threshold) == (0.25, 16, 128)
-    assert CacheConfig(grain=8).grain == 8  # an argument beats the environment
+    assert PairedCacheConfig(grain=8).grain == 8  # an argument beats the environment
 
 
 def test_bad_environment_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV_GRAIN, "lots")
     with pytest.raises(ValueError, match=r"PAIRED_CACHE_GRAIN='lots' is not a valid int"):
-        CacheConfig()
+        PairedCacheConfig()
 
 
 def test_old_environment_names_are_refused_with_the_new_one(monkeypatch):
@@ -156,7 +157,7 @@ def test_old_environment_names_are_refused_with_the_new_one(monkeypatch):
         ValueError,
         match=r"WEIGHT_CACHE_HYBRID_TAU_FRAC is no longer read; set PAIRED_CACHE_HYBRID_TAU",
     ):
-        CacheConfig()
+        PairedCacheConfig()
 
 
 def test_gate_view_without_gate_is_an_error():
@@ -204,18 +205,18 @@ def test_check_valid_reports_a_corrupted_row(cache):
 )
 def test_out_of_range_config_is_a_paired_cache_error(kwargs, match):
     with pytest.raises(PairedCacheError, match=match):
-        CacheConfig(**kwargs)
+        PairedCacheConfig(**kwargs)
 
 
 def test_infinite_and_huge_int_tau_are_accepted():
-    assert CacheConfig(hybrid_tau=float("inf")).hybrid_tau == float("inf")
-    assert CacheConfig(hybrid_tau=2**64).hybrid_tau == float(2**64)
+    assert PairedCacheConfig(hybrid_tau=float("inf")).hybrid_tau == float("inf")
+    assert PairedCacheConfig(hybrid_tau=2**64).hybrid_tau == float(2**64)
 
 
 def test_config_changed_after_construction_is_rejected_before_the_core():
     # The reproducer: grain=2**64 used to overflow inside cffi.
     gate, up, down = make_weights(N, H)
-    config = CacheConfig()
+    config = PairedCacheConfig()
     config.grain = 2**64
     with pytest.raises(PairedCacheError, match=r"grain must be in \[1, 2147483647\]"):
         PairedCache(up, down, gate, config=config)
@@ -223,7 +224,7 @@ def test_config_changed_after_construction_is_rejected_before_the_core():
 
 def test_the_cache_keeps_its_own_copy_of_the_config():
     gate, up, down = make_weights(N, H)
-    config = CacheConfig(grain=4)
+    config = PairedCacheConfig(grain=4)
     c = PairedCache(up, down, gate, config=config)
     config.grain = 2**64
     assert c.config.grain == 4 and c.config is not config

@@ -13,7 +13,9 @@ import torch
 from paired_cache import PairedCacheError
 from paired_cache._pages import memory_groups, page_cache_room
 from paired_cache.cli import main
-from paired_cache.model_io import PageKeeper, SafetensorsMap, load_sparse
+from paired_cache.model_io import load_sparse
+from paired_cache.read_ahead import PageKeeper
+from paired_cache.safetensors_map import SafetensorsMap
 
 MiB = 2**20
 
@@ -175,13 +177,13 @@ def test_plan_keeps_the_largest_blocks_that_fit(monkeypatch):
     keeper.plan()
     assert keeper.kept == set()
 
-    import paired_cache.model_io as model_io
+    import paired_cache.read_ahead as read_ahead
 
     room = {"bytes": 151 * MiB}
     lookups = []
-    monkeypatch.setattr(model_io, "memory_groups", lambda: lookups.append(1) or ["g"])
+    monkeypatch.setattr(read_ahead, "memory_groups", lambda: lookups.append(1) or ["g"])
     monkeypatch.setattr(
-        model_io, "page_cache_room", lambda groups: groups == ["g"] and room["bytes"]
+        read_ahead, "page_cache_room", lambda groups: groups == ["g"] and room["bytes"]
     )
     keeper.keep = "auto"
     keeper.plan()  # the head, and room for two layers in flight and the margin

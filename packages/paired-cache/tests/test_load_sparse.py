@@ -13,8 +13,9 @@ import torch
 
 from paired_cache import PairedCacheError, SparseMLP
 from paired_cache.cli import main
-from paired_cache.model_io import SafetensorsMap, load_sparse
+from paired_cache.model_io import load_sparse
 from paired_cache.pool_file import PoolFile, mapping_rss
+from paired_cache.safetensors_map import SafetensorsMap
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_convert_writes_every_mlp_as_the_model_holds_it(smollm2, pool_path):
     pool = PoolFile(pool_path)
     assert [layer.name for layer in pool.layers] == [f"model.layers.{i}.mlp" for i in range(30)]
     pool.verify()
-    from paired_cache import PairedCache
+    from paired_cache.cache import PairedCache
 
     cache = PairedCache.from_pool_file(pool, "model.layers.7.mlp", capacity=1)
     mlp = model.model.layers[7].mlp
@@ -76,7 +77,7 @@ def test_convert_writes_every_mlp_as_the_model_holds_it(smollm2, pool_path):
 
 def test_convert_reads_a_gguf_as_transformers_dequantises_it(smollm2, tmp_path):
     from membound_testing import smollm2_gguf_path
-    from paired_cache import PairedCache
+    from paired_cache.cache import PairedCache
 
     path = tmp_path / "gguf.pcpool"
     assert main(["convert", str(smollm2_gguf_path()), str(path), "--quiet"]) == 0
@@ -313,7 +314,7 @@ def test_read_ahead_looks_at_a_cached_range_again_after_recheck_tokens_where_roo
     tokens later (each look is three mincore calls, ~125 ranges a token on SmolLM2); a
     range found missing is asked for and looked at every token. With less room (here every
     block kept, but not twice over) every range is looked at every token."""
-    import paired_cache.model_io as model_io
+    import paired_cache.read_ahead as read_ahead
 
     looked: list[tuple[int, int]] = []
     missing: set[tuple[int, int]] = set()
@@ -323,15 +324,15 @@ def test_read_ahead_looks_at_a_cached_range_again_after_recheck_tokens_where_roo
         return (b, e) not in missing
 
     rooms = {"none": None, "ample": 2**40}
-    monkeypatch.setattr(model_io, "page_cache_room", lambda groups: rooms[room])
-    monkeypatch.setattr(model_io, "memory_groups", lambda: [])
+    monkeypatch.setattr(read_ahead, "page_cache_room", lambda groups: rooms[room])
+    monkeypatch.setattr(read_ahead, "memory_groups", lambda: [])
     monkeypatch.setattr(SafetensorsMap, "is_cached", is_cached)
     monkeypatch.setattr(SafetensorsMap, "will_need_range", lambda self, b, e: None)
     model = load_sparse(model_dir, pool_path, "cats", 0.5, rows="copy", prefill="sparse")
     rooms["tight"] = int(1.5 * sum(model.page_keeper.sizes))
     per_token, first = [], []
     with torch.no_grad():
-        for token in range(model_io.RECHECK_TOKENS + 2):
+        for token in range(read_ahead.RECHECK_TOKENS + 2):
             looked.clear()
             if token == 3:  # one range goes missing: the next look finds it (at 16)
                 missing.add(first[0])
@@ -349,7 +350,7 @@ def test_read_ahead_looks_at_a_cached_range_again_after_recheck_tokens_where_roo
         # range that went missing (layer 0's first) is seen missing then and looked at on
         # every token after, by both hooks that ask for layer 0 (its own, and the
         # lm_head's for the next token), where a cached one is looked at once.
-        assert per_token == [everything] + [0] * (model_io.RECHECK_TOKENS - 1) + [
+        assert per_token == [everything] + [0] * (read_ahead.RECHECK_TOKENS - 1) + [
             everything + 1,
             2,
         ]
@@ -521,7 +522,7 @@ def test_pool_will_need_reads_the_layer_and_a_dense_prefill_asks_for_it(tmp_path
 def test_a_gateless_pool_is_a_third_smaller_and_holds_up_and_down(
     smollm2, pool_path, gateless_pool_path
 ):
-    from paired_cache import PairedCache
+    from paired_cache.cache import PairedCache
 
     full, gateless = PoolFile(pool_path), PoolFile(gateless_pool_path)
     gateless.verify()
@@ -583,8 +584,8 @@ def test_a_gateless_pool_needs_a_gate_and_a_source_that_computes_it(gateless_poo
 
 
 def test_a_given_gate_is_refused_beside_a_pool_that_holds_one(pool_path):
-    from paired_cache import PairedCache
-    from paired_cache.mask_sources import make_source
+    from paired_cache.cache import PairedCache
+    from paired_cache.registry import make_source
 
     cache = PairedCache.from_pool_file(PoolFile(pool_path), 3, capacity=768)
     act = torch.nn.functional.silu

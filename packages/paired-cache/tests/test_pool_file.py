@@ -13,7 +13,8 @@ from conftest import make_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paired_cache import PairedCache, PairedCacheError
+from paired_cache import PairedCacheError
+from paired_cache.cache import PairedCache
 from paired_cache.pool_file import (
     MAGIC,
     PAGE,

@@ -11,19 +11,19 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from paired_cache import PairedCache, PairedCacheError
+from paired_cache import PairedCacheError
+from paired_cache.cache import PairedCache
 from paired_cache.mask_sources import (
-    MASK_SOURCES,
     FixedMask,
     LowRankPredictor,
     OracleTopK,
     active_rows,
     expected_abs,
-    make_source,
     rows_mask,
     top_k_rows,
 )
 from paired_cache.pool_file import PoolFile, write_pool_file
+from paired_cache.registry import MASK_SOURCES, make_source
 from paired_cache.sparse_mlp import SparseMLP, collect_mlp_inputs, sparsify_model
 from paired_cache.trained_predictor import TrainConfig, fit_predictor
 

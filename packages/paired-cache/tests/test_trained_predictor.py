@@ -11,7 +11,8 @@ import torch
 from conftest import make_tiny_llama, make_weights
 
 from paired_cache import PairedCacheError
-from paired_cache.mask_sources import MASK_SOURCES, OracleTopK, make_source
+from paired_cache.mask_sources import OracleTopK
+from paired_cache.registry import MASK_SOURCES, make_source
 from paired_cache.sparse_mlp import collect_mlp_inputs
 from paired_cache.trained_predictor import (
     FORMAT,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import make_weights
 
-from paired_cache import PairedCache
 from paired_cache._core import ffi, lib
+from paired_cache.cache import PairedCache
 
 N, H = 40, 8
 

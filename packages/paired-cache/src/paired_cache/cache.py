@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paired_cache._core import ERROR_NAMES, ffi, lib
-from paired_cache.config import MAX_ROWS, CacheConfig
+from paired_cache._core import ERROR_NAMES, core_info, ffi, lib
+from paired_cache.config import MAX_ROWS, PairedCacheConfig
 from paired_cache.errors import PairedCacheError
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -98,7 +98,7 @@ class PairedCache:
         gate: torch.Tensor | None = None,
         *,
         capacity: int | None = None,
-        config: CacheConfig | None = None,
+        config: PairedCacheConfig | None = None,
         init_mask: torch.Tensor | None = None,
         gate_rows: bool = True,
     ) -> None:
@@ -128,7 +128,7 @@ class PairedCache:
         layer: int | str,
         *,
         capacity: int | None = None,
-        config: CacheConfig | None = None,
+        config: PairedCacheConfig | None = None,
         init_mask: torch.Tensor | None = None,
         gate_rows: bool = True,
     ) -> PairedCache:
@@ -171,10 +171,12 @@ class PairedCache:
         capacity = n if capacity is None else capacity
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
             raise PairedCacheError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
-        config = CacheConfig() if config is None else config
-        if not isinstance(config, CacheConfig):
-            raise PairedCacheError(f"config must be a CacheConfig, got {type(config).__name__}")
-        # replace() runs CacheConfig's checks again (a field may have been set since) and
+        config = PairedCacheConfig() if config is None else config
+        if not isinstance(config, PairedCacheConfig):
+            raise PairedCacheError(
+                f"config must be a PairedCacheConfig, got {type(config).__name__}"
+            )
+        # replace() runs PairedCacheConfig's checks again (a field may have been set since) and
         # keeps a copy, so later changes to the caller's config cannot reach the C core.
         config = dataclasses.replace(config)
         if not isinstance(gate_rows, bool):
@@ -410,3 +412,13 @@ class PairedCache:
             rc = lib.pc_check_valid(self._handle, message, 512)
         if rc != lib.PC_OK:
             raise CacheInvariantError(ffi.string(message).decode())
+
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "CacheInvariantError",
+    "CacheStats",
+    "PairedCache",
+    "UpdateInfo",
+    "core_info",
+]

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from paired_cache.errors import PairedCacheError
-from paired_cache.mask_sources import MASK_SOURCES
+from paired_cache.registry import MASK_SOURCES
 from paired_cache.sparse_base import PREFILL_MODES
 from paired_cache.sparse_mlp import ROW_MODES
 from paired_cache.trained_predictor import KINDS

@@ -52,7 +52,7 @@ def _default_threads() -> int:
 
 
 @dataclass
-class CacheConfig:
+class PairedCacheConfig:
     """How a PairedCache updates.
 
     hybrid_tau: rebuild by gather when k = |added| + |removed| > hybrid_tau * m, where m is

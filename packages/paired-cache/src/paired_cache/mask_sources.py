@@ -1,4 +1,4 @@
-"""Mask sources: which neurons of a gated MLP to keep for a token.
+"""Mask sources: which neurons of a gated MLP to keep for a token (by name: registry).
 
 A gated MLP computes down(act(gate x) * up x); neuron i matters for token x in
 proportion to |act(gate_i . x) * (up_i . x)|. Every source returns an (N,) bool mask with
@@ -161,7 +161,7 @@ class MaskSource(ABC):
         **options,
     ) -> MaskSource:
         """The source for one MLP from its gate, up (N, hidden) and, when needs_calibration,
-        calibration (T, hidden) inputs; what make_source calls for a registered name."""
+        calibration (T, hidden) inputs; what registry.make_source calls for a registered name."""
         return cls(gate, up, act, fraction, **options)
 
 
@@ -338,37 +338,7 @@ def _require(calibration: torch.Tensor | None, name: str) -> torch.Tensor:
     return calibration
 
 
-def make_source(
-    name: str,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    act: Activation,
-    fraction: float,
-    calibration: torch.Tensor | None = None,
-    **options,
-) -> MaskSource:
-    """Build the source registered under name; those with needs_calibration ("lowrank",
-    "fixed") need calibration (T, hidden) inputs of this MLP."""
-    return source_class(name).build(gate, up, act, fraction, calibration, **options)
-
-
-def source_class(name: str) -> type[MaskSource]:
-    """The MaskSource class registered under name; an unknown name is refused with the
-    known ones."""
-    if name not in MASK_SOURCES:
-        raise PairedCacheError(f"unknown mask source {name!r}; known: {sorted(MASK_SOURCES)}")
-    return MASK_SOURCES[name]
-
-
-MASK_SOURCES: dict[str, type[MaskSource]] = {
-    "oracle": OracleTopK,
-    "cats": CatsMask,
-    "lowrank": LowRankPredictor,
-    "fixed": FixedMask,
-}
-
 __all__ = [
-    "MASK_SOURCES",
     "CatsMask",
     "FixedMask",
     "LowRankPredictor",
@@ -376,12 +346,7 @@ __all__ = [
     "OracleTopK",
     "active_rows",
     "expected_abs",
-    "make_source",
     "mask_rows",
     "rows_mask",
-    "source_class",
     "top_k_rows",
 ]
-
-# "trained" (the Deja Vu predictor) registers itself; its module builds on this one.
-import paired_cache.trained_predictor  # noqa: E402, F401

@@ -42,6 +42,14 @@ LAYOUTS = (
 )
 
 
+GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def is_gated_mlp(module: nn.Module) -> bool:
+    """A module computing down_proj(act_fn(gate_proj x) * up_proj x), as LlamaMLP does."""
+    return all(hasattr(module, part) for part in GATED_MLP_PARTS)
+
+
 def mlp_layout(module: nn.Module) -> MLPLayout | None:
     """The layout whose parts module has, or None. The split gated layout is duck-typed
     (any projection module with a weight works, as a compressed linear); the others need

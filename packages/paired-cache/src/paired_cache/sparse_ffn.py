@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paired_cache.cache import PairedCache
-from paired_cache.config import CacheConfig
+from paired_cache.config import PairedCacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import Activation, CatsMask, active_rows
 from paired_cache.sparse_base import CachedMLP, check_prefill
@@ -85,7 +85,7 @@ class SparseFFN(CachedMLP):
         act: Activation,
         source: str,
         fraction: float,
-        config: CacheConfig | None = None,
+        config: PairedCacheConfig | None = None,
         prefill: str = "sparse",
         **options,
     ) -> SparseFFN:

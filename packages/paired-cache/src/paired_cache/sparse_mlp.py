@@ -13,17 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from paired_cache.cache import PairedCache
-from paired_cache.config import CacheConfig
+from paired_cache.config import PairedCacheConfig
 from paired_cache.errors import PairedCacheError
-from paired_cache.mask_sources import (
-    Activation,
-    MaskSource,
-    active_rows,
-    make_source,
-    mask_rows,
-    source_class,
-)
+from paired_cache.mask_sources import Activation, MaskSource, active_rows, mask_rows
 from paired_cache.mlp_layouts import (
+    GATED_MLP_PARTS,
     MLPLayout,
     activation,
     describe,
@@ -32,6 +26,7 @@ from paired_cache.mlp_layouts import (
     mlp_layout,
 )
 from paired_cache.pool_file import PoolFile
+from paired_cache.registry import make_source, source_class
 from paired_cache.sparse_base import (
     SAVE_REFUSED,
     CachedMLP,
@@ -41,8 +36,6 @@ from paired_cache.sparse_base import (
 )
 from paired_cache.sparse_ffn import FFN_SOURCES, SparseFFN
 
-GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
-
 # Fewer calibration tokens than this are refused: "lowrank" fits rank <= T (the default
 # rank is 128) and "fixed" averages over T tokens, so a handful of tokens fits noise.
 MIN_CALIBRATION_TOKENS = 16
@@ -51,11 +44,6 @@ MIN_CALIBRATION_TOKENS = 16
 # rows (anonymous memory, updated by the rows that change); "in_place", the (mapped) pool
 # itself, each token's rows gathered into temporaries freed after the layer.
 ROW_MODES = ("copy", "in_place")
-
-
-def is_gated_mlp(module: nn.Module) -> bool:
-    """A module computing down_proj(act_fn(gate_proj x) * up_proj x), as LlamaMLP does."""
-    return all(hasattr(module, part) for part in GATED_MLP_PARTS)
 
 
 class SparseMLP(CachedMLP):
@@ -160,7 +148,7 @@ class SparseMLP(CachedMLP):
         source: str,
         fraction: float,
         calibration: torch.Tensor | None = None,
-        config: CacheConfig | None = None,
+        config: PairedCacheConfig | None = None,
         window: int = 1,
         prefill: str = "sparse",
         **options,
@@ -200,7 +188,7 @@ class SparseMLP(CachedMLP):
         source: str,
         fraction: float,
         *,
-        config: CacheConfig | None = None,
+        config: PairedCacheConfig | None = None,
         window: int = 1,
         calibration: torch.Tensor | None = None,
         gate: torch.Tensor | None = None,
@@ -502,7 +490,7 @@ def sparsify_model(
     source: str,
     fraction: float,
     calibration_ids: torch.Tensor | None = None,
-    config: CacheConfig | None = None,
+    config: PairedCacheConfig | None = None,
     window: int = 1,
     prefill: str = "sparse",
     **options,

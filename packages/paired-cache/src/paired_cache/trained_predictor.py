@@ -43,6 +43,9 @@ from paired_cache.mask_sources import (
     rows_mask,
     top_k_rows,
 )
+from paired_cache.mlp_layouts import is_gated_mlp
+from paired_cache.pool_file import umask_mode
+from paired_cache.safetensors_map import SafetensorsMap
 
 FORMAT = "paired-cache-predictor-1"  # linear predictors only, as 0.6-0.7 wrote
 FORMAT_GATED = "paired-cache-predictor-2"  # any gated predictor: 0.7 cannot read it
@@ -298,8 +301,6 @@ def fit_predictors(
     (a shorter last one on its own), and every MLP's sums are accumulated from its inputs
     on the way, so memory does not grow with T. progress(name) is called per fitted MLP.
     {mlp name: weights}."""
-    from paired_cache.sparse_mlp import is_gated_mlp
-
     config = TrainConfig() if config is None else config
     for name, value in (("window", window), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -368,8 +369,6 @@ def save_predictors(
 
     from safetensors.torch import save_file
 
-    from paired_cache.pool_file import umask_mode
-
     path = Path(path)
     kinds = {name: predictor_kind(w) for name, w in predictors.items()}  # before writing
     # A file of linear predictors only keeps 0.6-0.7's format, which they can read.
@@ -395,8 +394,6 @@ def load_predictors(
     views of the file mapped, file-backed pages as the pool's are, no anonymous copy
     (load_sparse reads them so); writing to them faults. mapped=False: tensors of their own."""
     from safetensors import SafetensorError, safe_open
-
-    from paired_cache.model_io import SafetensorsMap
 
     out: dict[str, dict[str, torch.Tensor]] = {}
     try:
@@ -449,12 +446,3 @@ __all__ = [
     "recall",
     "save_predictors",
 ]
-
-
-def _register() -> None:
-    from paired_cache.mask_sources import MASK_SOURCES
-
-    MASK_SOURCES["trained"] = TrainedPredictor
-
-
-_register()
