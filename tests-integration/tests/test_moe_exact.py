@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
-from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache import CacheConfig, generate, load_cached_model, seal_model
 
 STEPS = 10
 
@@ -62,7 +62,7 @@ def test_exact_mode_equals_stock_mlx_lm(tmp_path_factory, drawn, seed, shards, p
     than the model has."""
     config, bits, capacity = drawn
     path = write_random_moe(
-        tmp_path_factory.mktemp("moe"), config, bits=bits, shards=shards, seed=seed
+        tmp_path_factory.mktemp("moe"), config, bits=bits, shards=shards, seed=seed, seal=seal_model
     )
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, config["vocab_size"], prompt_len).tolist()

@@ -171,7 +171,7 @@ def test_a_rebuilt_record_with_other_token_ids_is_refused(pte_paths, tmp_path):
         PteEngine(path)
     # Config and metadata changed together (digest included): only the program knows.
     from diffulex_edge.config import SDARConfig
-    from diffulex_edge.export import config_digest
+    from diffulex_edge.program_meta import config_digest
 
     record = json.loads(json.dumps(original))
     record["config"]["mask_token_id"] = 5

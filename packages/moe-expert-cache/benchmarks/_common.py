@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from membound_testing.random_moe import random_moe_config, write_random_moe
+from moe_expert_cache import seal_model
 
 RESULTS = Path(__file__).parent / "results"
 COMMAND = "hatch run moe-expert-cache:bench"
@@ -38,7 +39,7 @@ def bench_model(directory: Path, quick: bool) -> tuple[Path, dict]:
             num_heads=16,
             num_kv_heads=4,
         )
-    path = write_random_moe(directory, config, bits=4, shards=4)
+    path = write_random_moe(directory, config, bits=4, shards=4, seal=seal_model)
     return path, config
 
 

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from membound_testing.random_moe import random_moe_config, write_random_moe
+from moe_expert_cache import seal_model
 
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64]
 DECODE_STEPS = 16
@@ -22,7 +23,9 @@ def model_dir(tmp_path_factory):
     def get(arch: str, bits: int | None = None):
         if (arch, bits) not in made:
             path = tmp_path_factory.mktemp(f"{arch}_{bits}")
-            made[arch, bits] = write_random_moe(path, random_moe_config(arch), bits=bits)
+            made[arch, bits] = write_random_moe(
+                path, random_moe_config(arch), bits=bits, seal=seal_model
+            )
         return made[arch, bits]
 
     return get

@@ -217,10 +217,12 @@ def make_references(root: Path) -> Path:
     import shutil
 
     from membound_testing.random_moe import random_moe_config, write_random_moe
-    from moe_expert_cache import generate
+    from moe_expert_cache import generate, seal_model
     from moe_expert_cache.expert_store import INTEGRITY_FILE
 
-    sealed = write_random_moe(root / "sealed", random_moe_config("qwen3_moe"), bits=4)
+    sealed = write_random_moe(
+        root / "sealed", random_moe_config("qwen3_moe"), bits=4, seal=seal_model
+    )
     foreign = root / "foreign"
     shutil.copytree(sealed, foreign)
     (foreign / INTEGRITY_FILE).unlink()

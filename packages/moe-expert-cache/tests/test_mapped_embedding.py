@@ -13,7 +13,7 @@ from conftest import decode_logits
 from mlx.utils import tree_flatten
 
 from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
-from moe_expert_cache import CacheConfig, ExpertCacheError, load_cached_model
+from moe_expert_cache import CacheConfig, ExpertCacheError, load_cached_model, seal_model
 from moe_expert_cache.cli import main
 from moe_expert_cache.mapped_embedding import EMBEDDING_KEY, MappedEmbedding
 
@@ -64,7 +64,7 @@ def test_mlx_holds_the_table_less(model_dir):
 
 def test_rows_are_the_stored_rows_in_their_dtype(tmp_path):
     config = random_moe_config("mixtral")
-    path = write_random_moe(tmp_path / "bf16", config, dtype=mx.bfloat16)
+    path = write_random_moe(tmp_path / "bf16", config, dtype=mx.bfloat16, seal=seal_model)
     plain = load_cached_model(path, CacheConfig(capacity=1.0))
     mapped = load_cached_model(path, CacheConfig(capacity=1.0, map_embeddings=True))
     ids = mx.array([[0, 5, 255, 5]])
@@ -92,7 +92,7 @@ def test_a_quantized_table_is_refused_before_anything_is_read(model_dir):
 
 def test_a_tied_embedding_is_refused(tmp_path):
     config = {**random_moe_config("mixtral"), "tie_word_embeddings": True}
-    path = write_random_moe(tmp_path / "tied", config)
+    path = write_random_moe(tmp_path / "tied", config, seal=seal_model)
     with pytest.raises(ExpertCacheError, match="needs an untied lm_head"):
         load_cached_model(path, CacheConfig(map_embeddings=True))
     # Without the option the tied model loads as before.
@@ -103,7 +103,9 @@ def test_a_tied_embedding_is_refused(tmp_path):
 
 
 def test_a_damaged_table_fails_its_crc(tmp_path):
-    path = write_random_moe(tmp_path / "damaged", random_moe_config("qwen2_moe"), shards=1)
+    path = write_random_moe(
+        tmp_path / "damaged", random_moe_config("qwen2_moe"), shards=1, seal=seal_model
+    )
     shard = next(path.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     header_len = int.from_bytes(data[:8], "little")

@@ -12,7 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from mlx_lm.utils import load_model
 
 from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
-from moe_expert_cache import CacheConfig, ExpertCacheError, config_from_state, load_cached_model
+from moe_expert_cache import (
+    CacheConfig,
+    ExpertCacheError,
+    config_from_state,
+    load_cached_model,
+    seal_model,
+)
 
 CASES = [(arch, bits) for arch in ARCHITECTURES for bits in (None, 4)]
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
@@ -30,6 +36,7 @@ def deep(tmp_path_factory):
                 tmp_path_factory.mktemp(f"deep_{arch}_{bits}"),
                 random_moe_config(arch, num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K),
                 bits=bits,
+                seal=seal_model,
             )
             model, _ = load_model(path)
             tokens = list(PROMPT)

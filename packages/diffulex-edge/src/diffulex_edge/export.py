@@ -22,7 +22,6 @@ record before any byte reaches ExecuTorch, and the constants before running anyt
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -37,10 +36,13 @@ from diffulex_edge.files import umask_mode
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
 from diffulex_edge.model import SDARModel
+from diffulex_edge.program_meta import (
+    QUANTIZATIONS,
+    VARIANT_IDS,
+    program_metadata,
+)
 from diffulex_edge.progress import StageProgress
 
-PTE_FORMAT_VERSION = 2
-QUANTIZATIONS = ("8da4w", "8da4w-mixed")
 # 8da4w-mixed: the linear layers whose weights stay int8 (one scale per row). On SmolLM2
 # they carry most of 8da4w's perplexity loss (benchmarks/smollm2_quant_ablation.py).
 MIXED_INT8_LAYERS = ("down_proj", "lm_head")
@@ -49,7 +51,7 @@ PREFILL_METHOD = "prefill"
 
 
 class CacheIOGraph(nn.Module):
-    variant_id = 0
+    variant_id = VARIANT_IDS["cache_io"]
 
     def __init__(self, model: SDARModel) -> None:
         super().__init__()
@@ -75,7 +77,7 @@ class CacheIOGraph(nn.Module):
 
 
 class BlockKVGraph(nn.Module):
-    variant_id = 1
+    variant_id = VARIANT_IDS["block_kv"]
 
     def __init__(self, model: SDARModel) -> None:
         super().__init__()
@@ -104,7 +106,7 @@ class StaticKVGraph(nn.Module):
     tokens, which the next forward at that start overwrites before reading.
     """
 
-    variant_id = 2
+    variant_id = VARIANT_IDS["static_kv"]
 
     def __init__(self, model: SDARModel, max_seq: int, block_size: int) -> None:
         super().__init__()
@@ -219,50 +221,6 @@ def export_code_digest() -> str:
         except PackageNotFoundError:
             h.update(f"{package} missing\0".encode())
     return h.hexdigest()
-
-
-def config_digest(config) -> int:
-    """A 31-bit digest of the model config (so a .pte cannot be paired with another model)."""
-    text = json.dumps(config.to_dict(), sort_keys=True)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
-
-
-META_KEYS = (
-    "diffulex_format_version",
-    "variant_id",
-    "num_layers",
-    "kv_heads",
-    "head_dim",
-    "vocab_size",
-    "block_size",
-    "max_seq",
-    "mask_token_id",
-    "eos_token_id",
-    "config_digest",
-    "prefill_size",
-)
-
-
-def program_metadata(
-    config, block_size: int, max_seq: int, variant: str, prefill_size: int = 0
-) -> dict[str, int]:
-    """The constant methods a program exported from ``config`` carries (keys: META_KEYS).
-    ``prefill_size`` 0 means the program has no prefill method."""
-    c = config
-    return {
-        "diffulex_format_version": PTE_FORMAT_VERSION,
-        "variant_id": EXPORT_VARIANTS[variant].variant_id,
-        "num_layers": c.num_hidden_layers,
-        "kv_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "vocab_size": c.vocab_size,
-        "block_size": block_size,
-        "max_seq": max_seq,
-        "mask_token_id": -1 if c.mask_token_id is None else c.mask_token_id,
-        "eos_token_id": -1 if c.eos_token_id is None else c.eos_token_id,
-        "config_digest": config_digest(c),
-        "prefill_size": prefill_size,
-    }
 
 
 def quantize_8da4w(

@@ -19,13 +19,8 @@ from pathlib import Path
 
 from diffulex_edge.config import SDARConfig
 from diffulex_edge.errors import DiffulexEdgeError
-from diffulex_edge.export import (
-    EXPORT_VARIANTS,
-    META_KEYS,
-    QUANTIZATIONS,
-    program_metadata,
-)
 from diffulex_edge.files import umask_mode
+from diffulex_edge.program_meta import META_KEYS, QUANTIZATIONS, VARIANT_IDS, program_metadata
 
 RECORD_FORMAT = "diffulex-edge-pte-record"
 RECORD_VERSION = 2
@@ -145,9 +140,9 @@ def _validate(path: Path, body: dict) -> PteRecord:
     if not _is_sha256(body["pte_sha256"]):
         raise DiffulexEdgeError(f"{path}: pte_sha256 must be 64 lowercase hex digits")
     variant, quantize = body["variant"], body["quantize"]
-    if not isinstance(variant, str) or variant not in EXPORT_VARIANTS:
+    if not isinstance(variant, str) or variant not in VARIANT_IDS:
         raise DiffulexEdgeError(
-            f"{path}: variant {variant!r}, expected one of {sorted(EXPORT_VARIANTS)}"
+            f"{path}: variant {variant!r}, expected one of {sorted(VARIANT_IDS)}"
         )
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise DiffulexEdgeError(f"{path}: quantize {quantize!r}, expected null or {QUANTIZATIONS}")

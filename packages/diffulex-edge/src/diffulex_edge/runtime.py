@@ -19,13 +19,7 @@ from pathlib import Path
 from diffulex_edge.backends import StaticBackend
 from diffulex_edge.config import SDARConfig
 from diffulex_edge.errors import DiffulexEdgeError
-from diffulex_edge.export import (
-    EXPORT_VARIANTS,
-    META_KEYS,
-    PREFILL_METHOD,
-    PTE_FORMAT_VERSION,
-    config_digest,
-)
+from diffulex_edge.export import EXPORT_VARIANTS, PREFILL_METHOD
 from diffulex_edge.generate import (
     GenerationConfig,
     GenerationResult,
@@ -35,6 +29,7 @@ from diffulex_edge.generate import (
 )
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.page_lock import no_page_locking
+from diffulex_edge.program_meta import META_KEYS, PTE_FORMAT_VERSION, config_digest
 from diffulex_edge.pte_record import file_identity, record_path, verify_program_file
 from diffulex_edge.xnnpack_weight_cache import WeightCacheUnavailable, shared_packed_weights
 

@@ -3,15 +3,17 @@ tests, benchmarks and the integration tests (moved here from the installed packa
 
 Written in mlx-lm's layout (``config.json``, sharded ``model-0000i-of-0000n.safetensors``,
 ``model.safetensors.index.json``) so that both ``mlx_lm.utils.load_model`` and
-:func:`moe_expert_cache.load_cached_model` read it. MLX, mlx-lm and moe-expert-cache are
-imported inside :func:`write_random_moe`: every dev environment installs this helper
-package, only moe-expert-cache's have MLX.
+:func:`moe_expert_cache.load_cached_model` read it. MLX and mlx-lm are imported inside
+:func:`write_random_moe`: every dev environment installs this helper package, only
+moe-expert-cache's have MLX. moe-expert-cache itself is never imported here: the caller
+passes its ``seal_model``.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -72,6 +74,7 @@ def write_random_moe(
     directory: str | Path,
     config: dict,
     *,
+    seal: Callable[[Path], object],
     bits: int | None = None,
     group_size: int = 64,
     shards: int = 2,
@@ -80,12 +83,12 @@ def write_random_moe(
 ) -> Path:
     """Build ``config``'s model with random weights of the MLX ``dtype`` (float32 when None;
     ``bits``-bit affine quantized when given) and save it to ``directory`` as ``shards``
-    safetensors files, with an integrity record (:func:`moe_expert_cache.seal_model`)."""
+    safetensors files, then call ``seal(directory)``: moe-expert-cache's ``seal_model``,
+    which writes its integrity record (passed in, so that this helper imports no package
+    of the repo)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-
-    from moe_expert_cache import seal_model
 
     if config.get("model_type") not in ARCHITECTURES:
         raise ValueError(
@@ -125,5 +128,5 @@ def write_random_moe(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
     (directory / "config.json").write_text(json.dumps(config, indent=1))
-    seal_model(directory)
+    seal(directory)
     return directory
