@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import replace
 
@@ -163,3 +164,15 @@ class BMRTCache(Cache):
                 per_token = b * h * (hd + layer.values.shape[-1]) * layer.keys.element_size()
                 total += layer.peak_tokens * per_token
         return total
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module, config=None, **overrides):
+    """``with bmrt_kv.attached(model, config) as cache:`` a :class:`~bmrt_kv.BMRTCache`
+    whose hooks are removed when the block ends, error or not; the model is then exactly
+    as it was. ``config`` and ``overrides`` are :class:`~bmrt_kv.BMRTCache`'s."""
+    cache = BMRTCache(model, config, **overrides)
+    try:
+        yield cache
+    finally:
+        cache.detach()

@@ -27,7 +27,6 @@ the model is exactly as it was. They do nothing for forwards with another cache.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 import weakref
@@ -102,20 +101,6 @@ def detach(model: nn.Module) -> None:
     """Remove the hooks of every :class:`~bmrt_kv.BMRTCache` attached to ``model``."""
     for attachment in list(_ATTACHMENTS.pop(model, ())):
         attachment.remove()
-
-
-@contextlib.contextmanager
-def attached(model: nn.Module, config=None, **overrides):
-    """``with bmrt_kv.attached(model, config) as cache:`` a :class:`~bmrt_kv.BMRTCache`
-    whose hooks are removed when the block ends, error or not; the model is then exactly
-    as it was. ``config`` and ``overrides`` are :class:`~bmrt_kv.BMRTCache`'s."""
-    from bmrt_kv.cache import BMRTCache
-
-    cache = BMRTCache(model, config, **overrides)
-    try:
-        yield cache
-    finally:
-        cache.detach()
 
 
 def _decoder_hook(cache_ref: weakref.ref):

@@ -9,6 +9,7 @@ import torch
 
 from bmrt_kv.errors import BMRTError, check_choice, check_fraction
 from bmrt_kv.selectors.base import Pool, Selector
+from bmrt_kv.selectors.registry import SELECTORS, make_selector
 
 
 @dataclass(eq=False)
@@ -30,8 +31,6 @@ class HybridSelector(Selector):
     secondary_options: dict | None = None
 
     def __post_init__(self) -> None:
-        from bmrt_kv.selectors import SELECTORS, make_selector
-
         super().__post_init__()
         self.ratio = check_fraction(f"selector {self.name!r} option 'ratio'", self.ratio, False)
         stages = []
