@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from membound_integration.budget import __main__ as cli
-from membound_integration.budget import cgroup
-from membound_integration.budget.runner import bisect_min_limit, run_limited
+from membound_testing.budget import cgroup
+from membound_testing.budget.runner import bisect_min_limit, run_limited
 
 MiB = 2**20
 

@@ -2,7 +2,7 @@
 
 Every method reads the same pass key (``--tokens`` of filler, the key at half depth) and
 answers; each run is a fresh process in its own cgroup (the budget runner of
-``membound_integration.budget``: a hard limit with swap off, the page cache dropped first)
+``membound_testing.budget``: a hard limit with swap off, the page cache dropped first)
 and the smallest limit at which it answers the right key is bisected. A method that does
 not answer the key even without a limit (most selectors at B=1024, 8k tokens) is bisected
 on completing instead (any answer, each try's kept): the limit it needs to run at all, a
@@ -87,8 +87,8 @@ def interpreter(method: str) -> str:
 
 
 def measure(method: str, tokens: int, budget: int, resolution: int) -> dict:
-    from membound_integration.budget.profiles import MiB
-    from membound_integration.budget.runner import bisect_min_limit, run_limited
+    from membound_testing.budget.profiles import MiB
+    from membound_testing.budget.runner import bisect_min_limit, run_limited
 
     command = [interpreter(method), __file__, "--child", method, "--tokens", str(tokens)]
     command += ["--budget", str(budget)]

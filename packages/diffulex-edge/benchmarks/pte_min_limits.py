@@ -5,7 +5,7 @@ optimum-executorch's .pte and eager transformers, each run as ``optimum_side_by_
 
 The children get the prompts as token ids (``prompt_ids.json`` in DIR) and print their
 tokens; this process decodes them. Each try is a fresh process in its own cgroup (the
-budget runner of ``membound_integration.budget``: a hard limit with swap off, the page
+budget runner of ``membound_testing.budget``: a hard limit with swap off, the page
 cache dropped first);
 the smallest limit at which the answer still says "Paris" is bisected. The programs come
 from the side-by-side benchmark's ``--keep`` directory, plus two quantized exports:
@@ -74,8 +74,8 @@ def _answer(stdout: str, tokenizer) -> str:
 
 
 def measure(command: list[str], resolution_mib: int, tokenizer) -> dict:
-    from membound_integration.budget.profiles import MiB
-    from membound_integration.budget.runner import bisect_min_limit, run_limited
+    from membound_testing.budget.profiles import MiB
+    from membound_testing.budget.runner import bisect_min_limit, run_limited
 
     first = run_limited(command, 4096 * MiB)
     text = _answer(first.stdout, tokenizer) if first.completed else ""

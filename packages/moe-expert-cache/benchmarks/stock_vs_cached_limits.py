@@ -85,9 +85,8 @@ def child(kind: str, model_dir: Path) -> None:
     import mlx_lm
     from mlx_lm.utils import load_tokenizer
 
-    # The budget runner's read counter; the MLX user's venv has no membound_integration.
-    sys.path.append(str(HERE.parents[2] / "tests-integration" / "src"))
-    from membound_integration.row import storage_read_bytes
+    # The budget runner's read counter (membound_testing, which every dev env installs).
+    from membound_testing.budget.runner import storage_read_bytes
     from moe_expert_cache import CacheConfig, generate, load_cached_model
 
     # Both variants import the same modules first: what the runtime holds before any weight.
@@ -172,7 +171,7 @@ def _parse(stdout: str) -> dict | None:
 
 def _run(command, limit, read_bps=None, device=None, timeout=None) -> dict:
     """One run under the budget runner, as a JSON-ready dict."""
-    from membound_integration.budget.runner import run_limited
+    from membound_testing.budget.runner import run_limited
 
     result = run_limited(command, limit, read_bps, device, timeout=timeout)
     answer = _parse(result.stdout) if result.completed else None
@@ -208,7 +207,7 @@ def _passes(entry: dict, expected: list[int]) -> tuple[bool, str]:
 
 def measure_min_limit(command, expected, unlimited: dict, resolution_mib: int) -> dict:
     """The smallest hard limit (reads unthrottled) at which ``command`` still passes."""
-    from membound_integration.budget.runner import bisect_min_limit
+    from membound_testing.budget.runner import bisect_min_limit
 
     timeout = max(120.0, 4 * unlimited["wall_s"])
     tries_full = []
@@ -297,7 +296,7 @@ def main(argv=None) -> None:
     if args.render_only:
         _write(json.loads(RAW.read_text()))
         return
-    from membound_integration.budget.cgroup import block_device_of
+    from membound_testing.budget.cgroup import block_device_of
     from membound_testing.machine import machine_info
     from membound_testing.models import smollm2_float_dir
     from membound_testing.results import write_json_atomic

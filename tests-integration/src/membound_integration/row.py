@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
+
+from membound_testing.budget.runner import storage_read_bytes
 
 QUESTION = "What is the capital of France?"
 ANSWER = "Paris"
@@ -34,25 +35,6 @@ class Row:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def storage_read_bytes() -> int:
-    """Bytes this process has read from storage so far: its cgroup's own counter when the
-    budget runner runs it (``MEMBOUND_IO_COUNTER``), else ``read_bytes`` of /proc/self/io."""
-    from membound_integration.budget.cgroup import read_bytes_of
-    from membound_integration.budget.runner import IO_COUNTER_ENV
-
-    counter = os.environ.get(IO_COUNTER_ENV)
-    if counter:
-        return read_bytes_of(counter)
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 @dataclass

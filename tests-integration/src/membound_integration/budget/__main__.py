@@ -15,9 +15,9 @@ import argparse
 import re
 import sys
 
-from membound_integration.budget.cgroup import CgroupUnavailable, block_device_of
-from membound_integration.budget.profiles import MB, PROFILES, MiB
-from membound_integration.budget.runner import (
+from membound_testing.budget.cgroup import CgroupUnavailable, block_device_of
+from membound_testing.budget.profiles import MB, PROFILES, MiB
+from membound_testing.budget.runner import (
     MappedElsewhere,
     RunResult,
     bisect_min_limit,

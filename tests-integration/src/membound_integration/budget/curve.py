@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from membound_integration.budget.profiles import PROFILES, MiB
+from membound_testing.budget.profiles import PROFILES, MiB
 
 ROWS = ("plain", "zstd_linear", "paired_cache_in_place", "combined")
 LIMITS_MIB = (384, 480, 640, 900, 1400, 2048)
@@ -37,10 +37,10 @@ def measure(rows, limits_mib, timeout: float) -> dict:
     """Run every (row, limit) once at READ_BPS; merge the points into budget-curve.json."""
     from tqdm import tqdm
 
-    from membound_integration.budget.cgroup import block_device_of
-    from membound_integration.budget.profiles import Profile
     from membound_integration.budget.suite import _stamp, measure_profile
     from membound_integration.demo import _row_functions, run_prepare
+    from membound_testing.budget.cgroup import block_device_of
+    from membound_testing.budget.profiles import Profile
     from membound_testing.models import cache_dir
     from membound_testing.results import write_json_atomic
 

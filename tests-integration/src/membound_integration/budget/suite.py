@@ -16,9 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from membound_integration.budget.cgroup import block_device_of
-from membound_integration.budget.profiles import PROFILES, MiB, Profile
-from membound_integration.budget.runner import RunResult, bisect_min_limit, run_limited
+from membound_testing.budget.cgroup import block_device_of
+from membound_testing.budget.profiles import PROFILES, MiB, Profile
+from membound_testing.budget.runner import RunResult, bisect_min_limit, run_limited
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
 BISECT_LO = 64 * MiB  # below what Python and torch need to start: taken to fail

@@ -5,7 +5,7 @@ None (the kernel's LRU alone, every layer's whole pool read ahead), and the plai
 model, each decoding in a fresh process in its
 own cgroup after the page cache was dropped, interleaved over rounds.
 
-    hatch run python packages/paired-cache/benchmarks/keep_cached.py [--rounds R] [--tokens T]
+    hatch run python tests-integration/benchmarks/keep_cached.py [--rounds R] [--tokens T]
 
 Runs in the default environment: it needs the integration package's cgroup runner and
 its SmolLM2 pool and predictor files (made on first use, as `hatch run prepare` does).
@@ -20,9 +20,14 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 MiB = 2**20
-COMMAND = "hatch run python packages/paired-cache/benchmarks/keep_cached.py"
+COMMAND = "hatch run python tests-integration/benchmarks/keep_cached.py"
+# The runner's paired-cache rows are paired-cache's to report: its RESULTS.md renders this.
+RESULTS = (
+    Path(__file__).resolve().parents[2] / "packages" / "paired-cache" / "benchmarks" / "results"
+)
 WARMUP = 3  # decode tokens not timed: the first reads of what a token reads in full
 MODES = ("plain", "none", "auto")
 QUESTION = "What is the capital of France?"
@@ -33,8 +38,6 @@ def child(mode: str, tokens: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedTokenizerFast
 
-    from membound_integration.budget.cgroup import read_bytes_of
-    from membound_integration.budget.runner import IO_COUNTER_ENV
     from membound_integration.rows.paired_cache import (
         FRACTION,
         SOURCE,
@@ -42,6 +45,8 @@ def child(mode: str, tokens: int) -> None:
         predictor_path,
     )
     from membound_testing import chat_prompt, smollm2_float_dir
+    from membound_testing.budget.cgroup import read_bytes_of
+    from membound_testing.budget.runner import IO_COUNTER_ENV
     from paired_cache.model_io import load_sparse
 
     torch.set_num_threads(1)
@@ -100,13 +105,11 @@ def main(argv=None) -> None:
         child(args.child, args.tokens)
         return
 
-    from common import RESULTS
-
-    from membound_integration.budget.cgroup import block_device_of
-    from membound_integration.budget.profiles import PROFILES
-    from membound_integration.budget.runner import run_limited
     from membound_integration.rows.paired_cache import pool_path, predictor_path
     from membound_testing import smollm2_float_dir
+    from membound_testing.budget.cgroup import block_device_of
+    from membound_testing.budget.profiles import PROFILES
+    from membound_testing.budget.runner import run_limited
     from membound_testing.models import cache_dir
     from membound_testing.results import write_result
 
@@ -152,7 +155,7 @@ def main(argv=None) -> None:
             ]
         )
     write_result(
-        RESULTS,
+        RESULTS,  # paired-cache's: its RESULTS.md renders the table
         package="paired-cache",
         name="keep_cached",
         command=COMMAND,
@@ -178,7 +181,7 @@ def main(argv=None) -> None:
         ],
         notes="Each run is a fresh process (1 torch thread) in its own cgroup under the profile's "
         "hard limit and read throttle, after the page cache was dropped "
-        "(membound_integration.budget.runner.run_limited); reads are the cgroup's block-I/O "
+        "(membound_testing.budget.runner.run_limited); reads are the cgroup's block-I/O "
         "counter around each decode token. Decode only: the prompt (dense) and "
         f"{WARMUP} tokens run untimed. 1-minute load average {load[0]:.1f} at the start and "
         f"{load[1]:.1f} at the end (2 cores).",

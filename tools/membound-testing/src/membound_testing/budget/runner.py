@@ -11,13 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from membound_integration.budget.cgroup import (
+from membound_testing.budget.cgroup import (
     JOIN_FAILED,
     Cgroup,
     CgroupUnavailable,
     Sample,
     drop_page_cache,
     mapped_by_processes,
+    read_bytes_of,
 )
 
 MiB = 2**20
@@ -238,3 +239,19 @@ def bisect_min_limit(
         else:
             bad = mid
     return Bisection(good, resolution, tries)
+
+
+def storage_read_bytes() -> int:
+    """Bytes this process has read from storage so far: its cgroup's own counter when the
+    budget runner runs it (``MEMBOUND_IO_COUNTER``), else ``read_bytes`` of /proc/self/io."""
+    counter = os.environ.get(IO_COUNTER_ENV)
+    if counter:
+        return read_bytes_of(counter)
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

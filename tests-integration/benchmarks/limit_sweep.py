@@ -5,7 +5,7 @@ core's row selection (0.14.1's default) and with torch's (`top_k_rows(core=False
 default), beside the plain mmap'd model; each run a fresh process in its own cgroup after
 the page cache was dropped, interleaved over rounds.
 
-    hatch run python packages/paired-cache/benchmarks/limit_sweep.py [--limits MiB ...]
+    hatch run python tests-integration/benchmarks/limit_sweep.py [--limits MiB ...]
         [--rounds R]
 
 Near that edge the model's pages and the libraries' share what the limit leaves, and which
@@ -22,9 +22,14 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 MiB = 2**20
-COMMAND = "hatch run python packages/paired-cache/benchmarks/limit_sweep.py"
+COMMAND = "hatch run python tests-integration/benchmarks/limit_sweep.py"
+# The runner's paired-cache rows are paired-cache's to report: its RESULTS.md renders this.
+RESULTS = (
+    Path(__file__).resolve().parents[2] / "packages" / "paired-cache" / "benchmarks" / "results"
+)
 MODES = ("plain", "core", "torch")
 LABELS = {
     "plain": "plain mmap'd model (transformers)",
@@ -71,13 +76,11 @@ def main(argv=None) -> None:
     if min(args.limits) < 1 or args.rounds < 1:
         parser.error("limits and rounds must be >= 1")
 
-    from common import RESULTS
-
-    from membound_integration.budget.cgroup import block_device_of
-    from membound_integration.budget.profiles import PROFILES
-    from membound_integration.budget.runner import run_limited
     from membound_integration.rows.paired_cache import pool_path, predictor_path
     from membound_testing import smollm2_float_dir
+    from membound_testing.budget.cgroup import block_device_of
+    from membound_testing.budget.profiles import PROFILES
+    from membound_testing.budget.runner import run_limited
     from membound_testing.models import cache_dir
     from membound_testing.results import write_result
 
@@ -116,7 +119,7 @@ def main(argv=None) -> None:
                 ]
             )
     write_result(
-        RESULTS,
+        RESULTS,  # paired-cache's: its RESULTS.md renders the table
         package="paired-cache",
         name="limit_sweep",
         command=COMMAND,
@@ -135,7 +138,7 @@ def main(argv=None) -> None:
         targets=[],
         notes="Each run is a fresh process (torch's default threads, as the budget runner's "
         "rows) in its own cgroup with the hard limit and the read throttle, after the page "
-        "cache was dropped (membound_integration.budget.runner.run_limited). tokens/s and "
+        "cache was dropped (membound_testing.budget.runner.run_limited). tokens/s and "
         "reads are the runner's row's: prompt (dense) and 24 greedy tokens, timed after a "
         "two-token warm-up. The torch rows set top_k_rows' default to core=False in the "
         f"child. 1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at the "
