@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from membound_testing.structure import imported
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
@@ -24,18 +25,6 @@ PACKAGES = {
     "zstd_linear": "zstd-linear",
 }
 INTEGRATION = "membound_integration"
-
-
-def imported(path: Path) -> set[str]:
-    """Every absolute module name ``path`` imports, at any depth of its code."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
 
 
 def package_graph(top: str) -> dict[str, set[str]]:

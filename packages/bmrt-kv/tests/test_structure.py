@@ -3,44 +3,16 @@ imports inside functions too), ignoring the package's __init__, which re-exports
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import bmrt_kv
-
-PACKAGE = Path(bmrt_kv.__file__).parent
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+from membound_testing import structure
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere (top level and function bodies)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            deps.update(t for t in targets if t in modules)
-        graph[name] = deps - {name}
-    return graph
+    return structure.import_graph(bmrt_kv)
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for dep in graph[todo.pop()] - seen - {"bmrt_kv"}:
-            seen.add(dep)
-            todo.append(dep)
-    return seen
+    return structure.reachable(graph, start, "bmrt_kv")
 
 
 def test_no_module_imports_itself_through_others():

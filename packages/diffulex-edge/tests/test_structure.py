@@ -4,39 +4,16 @@ program's constants from program_meta, not from the exporter."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import diffulex_edge
-
-PACKAGE = Path(diffulex_edge.__file__).parent
+from membound_testing import structure
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere (top level and function bodies)."""
-    names = {f"diffulex_edge.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    graph = {}
-    for name, path in names.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            deps.update(t for t in targets if t in names)
-        graph[name] = deps - {name}
-    return graph
+    return structure.import_graph(diffulex_edge)
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for dep in graph[todo.pop()] - seen:
-            seen.add(dep)
-            todo.append(dep)
-    return seen
+    return structure.reachable(graph, start, "diffulex_edge")
 
 
 def test_no_module_imports_itself_through_others():

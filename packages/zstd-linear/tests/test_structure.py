@@ -4,7 +4,6 @@ small and the building blocks are where the README says."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import re
 from pathlib import Path
@@ -15,44 +14,18 @@ import torch.nn as nn
 from conftest import make_toy
 
 import zstd_linear
+from membound_testing import structure
 from zstd_linear import POLICIES, CompressedLinear, compress_model, decompress_model
 
 PACKAGE = Path(zstd_linear.__file__).parent
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere: at the top, in function
-    bodies and under TYPE_CHECKING alike."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            deps.update(t for t in targets if t in modules)
-        graph[name] = deps - {name}
-    return graph
+    return structure.import_graph(zstd_linear)
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    """Modules ``start`` imports, directly or through others, not through the package's
-    __init__ (which re-exports everything and is imported by nothing inside)."""
-    seen, todo = set(), [start]
-    while todo:
-        for dep in graph[todo.pop()] - seen - {"zstd_linear"}:
-            seen.add(dep)
-            todo.append(dep)
-    return seen
+    return structure.reachable(graph, start, "zstd_linear")
 
 
 def test_the_package_imports_no_cycle():
