@@ -24,3 +24,17 @@ def hatch() -> str:
     if exe is None:
         sys.exit("hatch is not on PATH: `pip install hatch` first")
     return exe
+
+
+def replace_section(path: Path, body: str, start: str, end: str) -> bool:
+    """Replace what lies between the ``start`` and ``end`` marker lines of ``path`` (through
+    a temporary file and a rename); False if it has none."""
+    text = path.read_text(encoding="utf-8")
+    if start not in text or end not in text:
+        return False
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(f"{head}{start}\n{body.strip()}\n{end}{tail}", encoding="utf-8")
+    tmp.replace(path)
+    return True

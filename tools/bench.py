@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _common
 from _common import PACKAGES, ROOT, hatch
 from sync_envs import refresh
 
@@ -35,15 +36,7 @@ def load_results(package: str) -> list[dict]:
 
 def replace_section(path: Path, body: str) -> bool:
     """Replace what lies between the measured markers of ``path``; False if it has none."""
-    text = path.read_text()
-    if START not in text or END not in text:
-        return False
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(f"{head}{START}\n{body.strip()}\n{END}{tail}")
-    tmp.replace(path)
-    return True
+    return _common.replace_section(path, body, START, END)
 
 
 RESULTS_LINK = (

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _common
 from _common import PACKAGES, ROOT, hatch
 from sync_envs import refresh
 
@@ -33,15 +34,7 @@ def matrix_json(package: str) -> Path:
 
 def replace_section(path: Path, body: str) -> bool:
     """Replace what lies between the support markers of ``path``; False if it has none."""
-    text = path.read_text(encoding="utf-8")
-    if START not in text or END not in text:
-        return False
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(f"{head}{START}\n{body.strip()}\n{END}{tail}", encoding="utf-8")
-    tmp.replace(path)
-    return True
+    return _common.replace_section(path, body, START, END)
 
 
 def run(package: str) -> bool:
