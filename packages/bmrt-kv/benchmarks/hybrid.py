@@ -44,10 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,7 +66,7 @@ def layer_types(n_layers: int, pattern: str) -> list[str]:
 def hybrid_dir(window: int, pattern: str, source: Path | None = None) -> Path:
     """The saved hybrid SmolLM2 (made on first use from ``source``, SmolLM2's float copy,
     by default ``membound_testing.models.smollm2_float_dir()``)."""
-    from membound_testing.models import cache_dir
+    from membound_testing.models import cache_dir, write_dir_atomic
 
     target = cache_dir() / f"smollm2-135m-hybrid-qwen2-w{window}-{pattern}-v{HYBRID_FORMAT}"
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
@@ -119,20 +117,12 @@ def hybrid_dir(window: int, pattern: str, source: Path | None = None) -> Path:
         for name, param in model.named_parameters():
             if name in missing:
                 param.zero_()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return write_dir_atomic(target, write)
 
 
 def load_hybrid(window: int, pattern: str, source: Path | None = None):

@@ -201,9 +201,8 @@ def smollm2_float_dir() -> Path:
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     check_smollm2_tokenizer(tokenizer, str(gguf))  # before anything is written
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         # save_pretrained refuses a model loaded from GGUF ("not serializable"), but
         # its weights are plain float tensors by now: write them ourselves, and the
         # config without the GGUF quantization entry. save_model drops the tied
@@ -214,16 +213,8 @@ def smollm2_float_dir() -> Path:
             del config.quantization_config
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            # Another process finished first: its copy is as good as ours.
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return write_dir_atomic(target, write)
 
 
 def load_smollm2(dtype: str = "float32"):
@@ -266,3 +257,22 @@ def chat_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
     )
+
+
+def write_dir_atomic(target: Path, write) -> Path:
+    """Make the directory ``target`` with ``write(tmp)`` into a temporary sibling, then a
+    rename, so no reader ever sees half of it. If another process renamed its own copy
+    into place first, that copy is kept (it is as good as ours)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        write(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
