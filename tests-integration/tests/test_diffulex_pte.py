@@ -6,18 +6,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffulex_edge import (
-    EXPORT_VARIANTS,
-    REMASKING,
-    Backend,
-    EagerDynamic,
-    GenerationConfig,
-    PteEngine,
-    export_pte,
-    generate,
-    random_model,
-    tiny_config,
-)
+from diffulex_edge import EagerDynamic, GenerationConfig, PteEngine, export_pte, generate
+from diffulex_edge.backends import Backend
+from diffulex_edge.config import tiny_config
+from diffulex_edge.export import EXPORT_VARIANTS
+from diffulex_edge.model import random_model
+from diffulex_edge.remasking import REMASKING
 
 
 class Lockstep(Backend):

@@ -89,10 +89,11 @@ def test_moe_expert_cache_cell_loads_the_moe_and_bounds_its_experts():
 
 def test_diffulex_edge_cell_exports_a_program_that_runs(tmp_path, monkeypatch):
     import diffulex_edge
+    from diffulex_edge.task import SortTask, sort_prompts, trained_checkpoint
 
     code = usage("diffulex-edge")
     assert code.startswith("export_pte("), code
-    model = diffulex_edge.load_checkpoint(diffulex_edge.trained_checkpoint())
+    model = diffulex_edge.load_checkpoint(trained_checkpoint())
     monkeypatch.chdir(tmp_path)
     namespace = {
         **vars(diffulex_edge),
@@ -102,8 +103,6 @@ def test_diffulex_edge_cell_exports_a_program_that_runs(tmp_path, monkeypatch):
         "variant": "block_kv",
     }
     eval(code, namespace)
-    from diffulex_edge.task import SortTask, sort_prompts
-
     engine = diffulex_edge.PteEngine(tmp_path / "model.pte")
     task = SortTask()
     prompts = sort_prompts(6, seed=7)

@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers
 
-from diffulex_edge import EXPORT_VARIANTS, QUANTIZATIONS, REMASKING
 from diffulex_edge.cli import build_parser, main
+from diffulex_edge.export import EXPORT_VARIANTS, QUANTIZATIONS
+from diffulex_edge.remasking import REMASKING
 from diffulex_edge.runtime import PteEngine
 from diffulex_edge.task import trained_checkpoint
 

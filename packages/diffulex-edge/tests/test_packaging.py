@@ -94,8 +94,8 @@ def test_the_base_install_decodes_and_saves_with_its_declared_dependencies_only(
     result = _run(
         f"""
         from diffulex_edge import EagerDynamic, GenerationConfig, generate, load_checkpoint
-        from diffulex_edge import save_checkpoint, trained_checkpoint
-        from diffulex_edge.task import decode, encode
+        from diffulex_edge import save_checkpoint
+        from diffulex_edge.task import decode, encode, trained_checkpoint
         model = load_checkpoint(trained_checkpoint())
         save_checkpoint(model, {str(tmp_path / "copy")!r})
         model = load_checkpoint({str(tmp_path / "copy")!r})
@@ -124,8 +124,9 @@ def test_without_executorch_the_pte_paths_name_the_extra(pte_paths, tmp_path):
         f"""
         import sys
         sys.modules["executorch"] = None  # as if not installed
-        from diffulex_edge import DiffulexEdgeError, PteEngine, export_pte, random_model
-        from diffulex_edge import tiny_config
+        from diffulex_edge import DiffulexEdgeError, PteEngine, export_pte
+        from diffulex_edge.config import tiny_config
+        from diffulex_edge.model import random_model
         for attempt in (lambda: PteEngine({str(pte_paths["block_kv"])!r}),
                         lambda: export_pte(random_model(tiny_config()), {str(tmp_path)!r} + "/t.pte", 64)):
             try:

@@ -1,8 +1,12 @@
 """Imports run one way inside the package: no module reaches itself through others (counting
 imports inside functions too), and the record beside a program (pte_record) reads the
-program's constants from program_meta, not from the exporter."""
+program's constants from program_meta, not from the exporter. The top level exports what a
+user calls (#56); the building blocks stay in their modules."""
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 import diffulex_edge
 from membound_testing import structure
@@ -27,3 +31,41 @@ def test_the_program_record_does_not_import_the_exporter():
     graph = import_graph()
     assert "diffulex_edge.program_meta" in graph["diffulex_edge.pte_record"]
     assert "diffulex_edge.export" not in reachable(graph, "diffulex_edge.pte_record")
+
+
+# The names 0.9.0 took off the top level, and the modules that hold them (CHANGELOG).
+MOVED = {
+    "diffulex_edge.backends": ["Backend", "EagerBlockKV", "EagerCacheIO", "StaticBackend"],
+    "diffulex_edge.config": ["SDARConfig", "sdar_1p7b_config", "tiny_config"],
+    "diffulex_edge.export": ["EXPORT_VARIANTS", "QUANTIZATIONS", "ExportResult", "quantize_8da4w"],
+    "diffulex_edge.generate": ["GenerationResult"],
+    "diffulex_edge.kv_cache": ["DynamicKVCache", "StaticCacheLayout"],
+    "diffulex_edge.masks": ["CacheIOMasks", "block_attention_mask", "cache_io_masks"],
+    "diffulex_edge.model": ["SDARModel", "random_model"],
+    "diffulex_edge.remasking": ["REMASKING"],
+    "diffulex_edge.sampling": ["SamplingConfig"],
+    "diffulex_edge.task": ["trained_checkpoint"],
+}
+
+
+def test_the_top_level_is_what_a_user_calls():
+    """About a dozen names (CONVENTIONS.md), each resolving; the namespace holds nothing
+    public beyond them but the submodules it imported."""
+    names = diffulex_edge.__all__
+    assert len(names) <= 15, names
+    assert len(set(names)) == len(names)
+    for name in names:
+        assert getattr(diffulex_edge, name) is not None, name
+    public = {
+        name
+        for name, value in vars(diffulex_edge).items()
+        if not name.startswith("_") and not isinstance(value, ModuleType)
+    }
+    assert public == set(names) - {"__version__"}
+
+
+def test_the_building_blocks_live_in_their_modules():
+    for module, names in MOVED.items():
+        for name in names:
+            assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+            assert not hasattr(diffulex_edge, name), name

@@ -78,6 +78,11 @@ class EagerDynamic(Backend):
     """``SDARModel.forward`` with a growing cache (the reference, unbounded memory).
 
     Its only length limit is the RoPE table (``max_position_embeddings``).
+
+    Args:
+        model: the model to run eagerly.
+        block_size: tokens per forward: the model's block size for :func:`generate`, 1 for
+            :func:`generate_autoregressive`.
     """
 
     def __init__(self, model: SDARModel, block_size: int) -> None:

@@ -185,12 +185,27 @@ def _checkpoint_dtype(config_path: Path, data: dict) -> str | None:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32) -> SDARModel:
     """Build an :class:`SDARModel` from a Hugging Face-layout directory.
 
-    Refuses with :class:`DiffulexEdgeError` (naming the file and what was expected): a file
-    that does not match ``diffulex_integrity.json`` (when the directory has one), an invalid
-    config, an invalid safetensors header, a missing, unexpected or misshapen tensor, a dtype
-    other than config.json's ``torch_dtype`` (or, without one, tensors of mixed or non-float
-    dtypes), and, with tied embeddings, a saved ``lm_head.weight`` that differs from
-    ``embed_tokens``. All of it is checked before the model is built.
+    All of the checks below run before the model is built.
+
+    Args:
+        directory: ``config.json`` and ``model.safetensors`` (or its shards and
+            ``model.safetensors.index.json``), as ``save_pretrained`` or
+            :func:`save_checkpoint` write them.
+        dtype: the floating dtype of the model's weights.
+
+    Returns:
+        :class:`SDARModel`: the model, in eval mode.
+
+    Raises:
+        FileNotFoundError: no ``config.json``, or neither ``model.safetensors`` nor its
+            index.
+        DiffulexEdgeError: (naming the file and what was expected) a file that does not
+            match ``diffulex_integrity.json`` (when the directory has one), an invalid
+            config, an invalid safetensors header, a missing, unexpected or misshapen
+            tensor, a dtype other than config.json's ``torch_dtype`` (or, without one,
+            tensors of mixed or non-float dtypes), with tied embeddings a saved
+            ``lm_head.weight`` that differs from ``embed_tokens``, or a ``dtype`` that is
+            not a floating torch dtype.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise DiffulexEdgeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -302,7 +317,16 @@ def _build(config: SDARConfig, found) -> SDARModel:
 
 def save_checkpoint(model: SDARModel, directory: str | Path) -> None:
     """Write ``config.json``, ``model.safetensors`` and ``diffulex_integrity.json`` (size and
-    SHA-256 of the other two), each to a temp name then renamed, the record last."""
+    SHA-256 of the other two), each to a temp name then renamed, the record last.
+
+    Args:
+        model: the model to save (a float model: float32, float16 or bfloat16 throughout).
+        directory: created if missing; the three files in it are replaced.
+
+    Raises:
+        DiffulexEdgeError: parameters of mixed dtypes or of a dtype other than float32,
+            float16 and bfloat16, before any file is written.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {_hf_name(n): p.detach().contiguous().clone() for n, p in model.named_parameters()}

@@ -314,13 +314,37 @@ def export_pte(
     plus its integrity record ``<path>.json`` (size and SHA-256 of the program, the config
     it was exported from, the constants it reports), which :class:`PteEngine` verifies.
 
-    ``prefill_size`` (block_kv only) adds a second method, ``prefill``: the same graph over
-    chunks of that many tokens, which the runtime drives with a causal mask so an
-    autoregressive prompt enters the cache in chunks rather than one forward per token.
-    ``progress`` prints a stage bar to stderr.
-
     Any failure of the toolchain propagates; each file is written to a temp name and
     renamed, the program first, so a record never describes a program not yet in place.
+
+    Args:
+        model: the model to export; left unchanged (quantization works on a copy).
+        path: where the program goes; the record goes to ``<path>.json``.
+        max_seq: cache slots of the program's static KV cache, the longest prompt plus new
+            tokens it can hold; a multiple of ``block_size``, at most the model's
+            ``max_position_embeddings``.
+        block_size: tokens per forward (1 for an autoregressive model).
+        variant: the graph, one of :data:`EXPORT_VARIANTS` (``cache_io``, ``block_kv``,
+            ``static_kv``).
+        quantize: None (fp32 weights) or one of :data:`QUANTIZATIONS` (``8da4w``,
+            ``8da4w-mixed``).
+        prefill_size: adds causal prompt chunks of up to this many tokens, so an
+            autoregressive prompt enters the cache in chunks rather than one forward per
+            token: a second method, ``prefill``, with ``block_kv``; the ``forward`` method
+            itself with ``static_kv`` (which then needs ``block_size`` 1). Not for
+            ``cache_io``.
+        progress: print a stage bar to stderr.
+
+    Returns:
+        :class:`ExportResult`: the program's path, variant, cache layout, quantization, size
+        in bytes and the record's path.
+
+    Raises:
+        DiffulexEdgeError: an unknown ``variant`` or ``quantize``, a ``prefill_size`` the
+            variant cannot take, ``max_seq`` above ``max_position_embeddings``, or ExecuTorch
+            not installed (the message names the extra to install).
+        ValueError: ``max_seq`` or ``block_size`` not a positive int, or ``max_seq`` not a
+            whole number of blocks.
     """
     if variant not in EXPORT_VARIANTS:
         raise DiffulexEdgeError(

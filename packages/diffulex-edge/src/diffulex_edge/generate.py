@@ -21,9 +21,23 @@ from diffulex_edge.sampling import SamplingConfig, sample_tokens
 
 @dataclass
 class GenerationConfig:
-    """``steps`` denoising steps per block at most (default: block_size, one token a step).
+    """How :func:`generate`, :func:`generate_autoregressive` and ``PteEngine.generate`` decode.
 
-    ``threshold`` is the confidence bar of ``low_confidence_dynamic``.
+    Args:
+        max_new_tokens: the most tokens to generate (>= 1).
+        steps: denoising steps per block at most (default: block_size, one token a step).
+            Block diffusion only.
+        remasking: which masked positions a step fills, a name in
+            :data:`diffulex_edge.remasking.REMASKING` (``sequential``,
+            ``low_confidence_static``, ``low_confidence_dynamic``). Block diffusion only.
+        threshold: the confidence bar of ``low_confidence_dynamic``, in [0, 1].
+        sampling: temperature, top-k, top-p and seed
+            (:class:`diffulex_edge.sampling.SamplingConfig`; default greedy).
+        stop_on_eos: stop after the block (or token) that produced EOS.
+
+    Raises:
+        ValueError: ``max_new_tokens`` not an int >= 1, an unknown ``remasking``, or
+            ``threshold`` outside [0, 1].
     """
 
     max_new_tokens: int = 32
@@ -84,7 +98,25 @@ def generate(
     mask_token_id: int,
     eos_token_id: int | None = None,
 ) -> GenerationResult:
-    """Decode after ``prompt_ids`` with ``backend``; see the module docstring."""
+    """Decode after ``prompt_ids`` with ``backend`` by block diffusion; see the module
+    docstring.
+
+    Args:
+        backend: the forward to drive, e.g. :class:`~diffulex_edge.backends.EagerDynamic` on
+            a model; its ``block_size`` is the block size. Its cache is reset first.
+        prompt_ids: the prompt's token ids, a list of ints or an integer tensor.
+        config: how many tokens, the steps per block, the remasking and the sampling.
+        mask_token_id: the model's mask token (``model.config.mask_token_id``).
+        eos_token_id: the model's EOS token, or None to decode ``max_new_tokens``.
+
+    Returns:
+        :class:`GenerationResult`: the new tokens (cut before the first EOS) and the
+        forwards they took.
+
+    Raises:
+        ValueError: an empty prompt, the mask token in the prompt, or a prompt plus
+            ``max_new_tokens`` (in whole blocks) longer than ``backend.max_seq``.
+    """
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     P, bs = prompt.numel(), backend.block_size
     if P == 0:
@@ -149,6 +181,21 @@ def generate_autoregressive(
     token costs one forward. The prompt enters by :meth:`Backend.prefill_causal` (chunked
     where the backend has a prefill path). ``config.remasking``/``threshold``/``steps`` do
     not apply; ``denoise_forwards`` counts the decode forwards.
+
+    Args:
+        backend: the forward to drive, with block size 1 (e.g.
+            ``EagerDynamic(model, 1)``). Its cache is reset first.
+        prompt_ids: the prompt's token ids, a list of ints or an integer tensor.
+        config: how many tokens and the sampling.
+        eos_token_id: the model's EOS token, or None to decode ``max_new_tokens``.
+
+    Returns:
+        :class:`GenerationResult`: the new tokens (without the EOS) and the forwards they
+        took.
+
+    Raises:
+        ValueError: an empty prompt, a backend whose block size is not 1, or a prompt plus
+            ``max_new_tokens`` longer than ``backend.max_seq`` allows.
     """
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     P = prompt.numel()

@@ -44,6 +44,13 @@ def from_hf_model(hf_model, dtype: torch.dtype = torch.float32) -> SDARModel:
     :class:`SDARModel` (eval mode, ``dtype``); the names and shapes of its tensors are
     checked against the mapped config first.
 
+    Args:
+        hf_model: the transformers model; read, not changed.
+        dtype: the floating dtype of the new model's weights.
+
+    Returns:
+        :class:`SDARModel`: a copy of the weights, in eval mode.
+
     Raises:
         DiffulexEdgeError: the family or one of its features is not implemented (before any
             weight is copied), or the tensors do not match the config.
@@ -82,7 +89,23 @@ def from_hf_model(hf_model, dtype: torch.dtype = torch.float32) -> SDARModel:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> SDARModel:
-    """A GGUF file (any quantisation transformers can dequantise) as a float SDARModel."""
+    """A GGUF file (any quantisation transformers can dequantise) as a float SDARModel.
+
+    Needs transformers and gguf (the ``hf`` extra); the tokenizer is the caller's to load
+    (``AutoTokenizer.from_pretrained(directory, gguf_file=name)``).
+
+    Args:
+        path: the ``.gguf`` file.
+        dtype: the floating dtype of the model's weights (dequantised to float32 first).
+
+    Returns:
+        :class:`SDARModel`: the dequantised model, in eval mode.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        DiffulexEdgeError: transformers is not installed, or the model's family or one of
+            its features is not implemented (as :func:`from_hf_model`).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")

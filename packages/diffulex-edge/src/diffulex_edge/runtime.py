@@ -57,13 +57,7 @@ class PteEngine:
     at the check, else the engine refuses it: a file replaced or rewritten in between is
     caught; one rewritten in place with its size and mtime forged is not, and a file
     changed while the engine runs changes the program (as with any memory-mapped model).
-    A program without a record, or that fails the check, is refused with
-    :class:`DiffulexEdgeError`. ``allow_unverified=True`` loads it anyway: the
-    engine still checks the file identifier and the program's constants, but a damaged
-    program can then crash the process inside ExecuTorch.
-
-    ``expected_config``: when given, the program must have been exported from a model with
-    exactly this config (compared by digest), else :class:`DiffulexEdgeError`.
+    A program without a record, or that fails the check, is refused.
 
     The ``forward`` and ``prefill`` methods share one packed copy of the weights (XNNPACK's
     weight cache, switched on while they load: :mod:`diffulex_edge.xnnpack_weight_cache`);
@@ -71,12 +65,28 @@ class PteEngine:
     switch the cache, each method packs its own copy (SmolLM2 in fp32: 517 MiB each) and a
     program with a prefill method loads with a ``RuntimeWarning`` saying so.
 
-    ``lock_pages``: ExecuTorch locks every segment it maps in memory (``mlock``), where the
-    process may: as root, or under a raised ``RLIMIT_MEMLOCK``. A locked page cannot be
-    evicted under a memory limit. By default the engine loads the program with locking
-    refused (:mod:`diffulex_edge.page_lock`), so the mapped weights stay evictable file
-    pages for every user, as they already are for an ordinary one; ``lock_pages=True``
-    leaves ExecuTorch's locking as it is (fewer page faults, more resident memory).
+    Args:
+        path: the ``.pte`` written by :func:`export_pte`, its record ``<path>.json`` beside
+            it.
+        expected_config: when given, the program must have been exported from a model with
+            exactly this config (compared by digest).
+        allow_unverified: load a program without a record, or one that fails it, anyway:
+            the engine still checks the file identifier and the program's constants, but a
+            damaged program can then crash the process inside ExecuTorch.
+        lock_pages: ExecuTorch locks every segment it maps in memory (``mlock``), where the
+            process may: as root, or under a raised ``RLIMIT_MEMLOCK``. A locked page
+            cannot be evicted under a memory limit. By default (False) the engine loads the
+            program with locking refused (:mod:`diffulex_edge.page_lock`), so the mapped
+            weights stay evictable file pages for every user, as they already are for an
+            ordinary one; True leaves ExecuTorch's locking as it is (fewer page faults, more
+            resident memory).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        DiffulexEdgeError: the program fails its record (or has none), is not a diffulex-edge
+            program of this format version, was exported for another config than
+            ``expected_config``, changed while it loaded, or ExecuTorch is not installed or
+            cannot load it; or a flag is not a bool.
     """
 
     def __init__(
@@ -300,7 +310,23 @@ class PteEngine:
 
     def generate(self, prompt_ids, config: GenerationConfig) -> GenerationResult:
         """Block diffusion for a program with a mask token; otherwise (an autoregressive
-        model such as Llama) next-token decoding, which needs block size 1."""
+        model such as Llama) next-token decoding, which needs block size 1.
+
+        Args:
+            prompt_ids: the prompt's token ids, a list of ints or an integer tensor.
+            config: how many tokens, the remasking strategy and the sampling.
+
+        Returns:
+            :class:`GenerationResult`: the new tokens (cut before the first EOS) and the
+            forwards they took.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, the mask token
+                in the prompt, or a prompt plus ``max_new_tokens`` longer than the program's
+                cache.
+            DiffulexEdgeError: an autoregressive program exported with a block size other
+                than 1.
+        """
         check_token_ids(prompt_ids, self.meta["vocab_size"])
         if self.mask_token_id < 0:
             if self.layout.block_size != 1:
