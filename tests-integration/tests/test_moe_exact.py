@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
-from moe_expert_cache import CacheConfig, generate, load_cached_model, seal_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model, seal_model
 
 STEPS = 10
 
@@ -68,13 +68,13 @@ def test_exact_mode_equals_stock_mlx_lm(tmp_path_factory, drawn, seed, shards, p
     prompt = rng.integers(0, config["vocab_size"], prompt_len).tolist()
     stock_model, _ = load_model(path)
     stock = generate(stock_model, prompt, STEPS)
-    cached = load_cached_model(path, CacheConfig(capacity=capacity, mode="exact"))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity=capacity, mode="exact"))
     try:
         got = generate(cached.model, prompt, STEPS, cached.manager)
         assert got.tokens == stock.tokens
         assert cached.manager.resident_expert_bytes() < cached.manager.all_expert_bytes()
         tokens = prompt + stock.tokens
-        reset = load_cached_model(path, CacheConfig(capacity=capacity, mode="exact"))
+        reset = load_cached_model(path, ExpertCacheConfig(capacity=capacity, mode="exact"))
         try:
             logits = teacher_forced_logits(reset.model, tokens, prompt_len, reset.manager)
         finally:

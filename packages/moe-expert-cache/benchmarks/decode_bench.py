@@ -11,7 +11,7 @@ import numpy as np
 from _common import bench_model, write_result
 from mlx_lm.utils import load_model
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 
 CAPACITIES = (0.25, 0.5, 0.75, 1.0)
 STOCK = "stock (all experts resident)"
@@ -30,7 +30,7 @@ def run(quick: bool = False) -> dict:
         cached_models = {}
         for mode in ("exact", "skip"):
             for cap in CAPACITIES:
-                cm = load_cached_model(path, CacheConfig(capacity=cap, mode=mode))
+                cm = load_cached_model(path, ExpertCacheConfig(capacity_share=cap, mode=mode))
                 cached_models[mode, cap] = cm
                 variants[f"{mode} {int(cap * 100)}%"] = (cm.model, cm.manager)
         rng = np.random.default_rng(0)

@@ -20,7 +20,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from smollm2_moe import smollm2_moe
 from texts import texts
 
-from moe_expert_cache import CacheConfig, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, load_cached_model
 
 COMMAND = "hatch run moe-expert-cache:python packages/moe-expert-cache/benchmarks/prefetch_bench.py"
 # The prose text is the one real_traces.py fits LCP's constants on; these two are held out
@@ -85,7 +85,9 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
     models = {STOCK: (stock, None)}
     for cap in CAPACITIES:
         for prefetch in (False, True):
-            cm = load_cached_model(path, CacheConfig(capacity=cap, mode="exact", prefetch=prefetch))
+            cm = load_cached_model(
+                path, ExpertCacheConfig(capacity_share=cap, mode="exact", prefetch=prefetch)
+            )
             models[variant_name(cap, prefetch)] = (cm.model, cm)
     names = list(models)
     # Per (variant, text): per-round decode seconds per token, stall, counter deltas.

@@ -19,7 +19,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from smollm2_moe import smollm2_moe
 from texts import texts
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 from moe_expert_cache.moefy import MoefyConfig
 
 COMMAND = "hatch run moe-expert-cache:python packages/moe-expert-cache/benchmarks/real_decode.py"
@@ -28,10 +28,12 @@ MODELS = {
     "shared 256 + top-6 of 16 (Qwen2-MoE, the demo's)": MoefyConfig(shared_size=256, top_k=6),
 }
 STOCK = "stock mlx-lm (every expert resident)"
-VARIANTS = {  # name -> CacheConfig
-    "exact 100%": CacheConfig(capacity=1.0, mode="exact"),
-    "exact 50%": CacheConfig(capacity=0.5, mode="exact"),
-    "exact 50%, embedding mapped": CacheConfig(capacity=0.5, mode="exact", map_embeddings=True),
+VARIANTS = {  # name -> ExpertCacheConfig
+    "exact 100%": ExpertCacheConfig(capacity_share=1.0, mode="exact"),
+    "exact 50%": ExpertCacheConfig(capacity_share=0.5, mode="exact"),
+    "exact 50%, embedding mapped": ExpertCacheConfig(
+        capacity_share=0.5, mode="exact", map_embeddings=True
+    ),
 }
 QUESTION = "What is the capital of France?"
 MiB = 2**20
@@ -108,7 +110,7 @@ def run_model(label: str, config: MoefyConfig, rounds: int, new_tokens: int, len
         else:
             layer = manager.layers[0]
             got = held_expert_bytes(manager)
-            capacity = round(VARIANTS[name].capacity * layer.slots.num_experts)
+            capacity = round(VARIANTS[name].capacity_share * layer.slots.num_experts)
             expected = capacity * layer.expert_nbytes * len(manager.layers)
             row += [
                 f"{got / MiB:.1f} of {manager.all_expert_bytes() / MiB:.1f}",

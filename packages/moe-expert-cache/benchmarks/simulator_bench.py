@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from _common import bench_model, write_result
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model, simulate
-from moe_expert_cache.simulator import synthetic_trace
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
+from moe_expert_cache.simulator import simulate, synthetic_trace
 
 CAPACITIES = (0.25, 0.5, 0.75)
 
@@ -20,7 +20,7 @@ def recorded_trace(quick: bool):
     n_prompts, prompt_len, new_tokens = (2, 8, 16) if quick else (6, 12, 64)
     with tempfile.TemporaryDirectory() as tmp:
         path, config = bench_model(Path(tmp), quick)
-        cached = load_cached_model(path, CacheConfig(capacity=1.0, mode="exact"))
+        cached = load_cached_model(path, ExpertCacheConfig(capacity_share=1.0, mode="exact"))
         trace = cached.manager.start_trace()
         rng = np.random.default_rng(1)
         for _ in range(n_prompts):

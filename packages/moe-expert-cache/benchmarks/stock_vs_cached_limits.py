@@ -20,7 +20,7 @@ completed or killed, decode tokens/s, peak anonymous and file-backed memory apar
     hatch run python packages/moe-expert-cache/benchmarks/stock_vs_cached_limits.py
 
 Every variant also runs with the embedding table left in the mmap'd shard
-(``CacheConfig(map_embeddings=True)``).
+(``ExpertCacheConfig(map_embeddings=True)``).
 
 Needs root (cgroups). Runs in the default environment, which holds the budget runner and
 this package. The children run, by default, in a fresh venv that holds what an MLX user
@@ -87,7 +87,7 @@ def child(kind: str, model_dir: Path) -> None:
 
     # The budget runner's read counter (membound_testing, which every dev env installs).
     from membound_testing.budget.runner import storage_read_bytes
-    from moe_expert_cache import CacheConfig, generate, load_cached_model
+    from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 
     # Both variants import the same modules first: what the runtime holds before any weight.
     import_anon = _rss_anon()
@@ -96,8 +96,10 @@ def child(kind: str, model_dir: Path) -> None:
         model, tokenizer = mlx_lm.load(str(model_dir))
         manager = None
     else:
-        config = CacheConfig(
-            capacity=float(kind.removesuffix("m")), mode="exact", map_embeddings=kind.endswith("m")
+        config = ExpertCacheConfig(
+            capacity_share=float(kind.removesuffix("m")),
+            mode="exact",
+            map_embeddings=kind.endswith("m"),
         )
         cached = load_cached_model(model_dir, config)
         model, manager = cached.model, cached.manager

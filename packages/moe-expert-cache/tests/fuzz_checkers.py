@@ -21,16 +21,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from membound_testing import fuzz
-from moe_expert_cache import (
-    CacheConfig,
-    RouterTrace,
-    config_from_state,
-    load_cached_model,
-    read_state,
-)
+from moe_expert_cache import ExpertCacheConfig, config_from_state, load_cached_model, read_state
 from moe_expert_cache.checked_json import dumps_checksummed
 from moe_expert_cache.expert_store import ExpertStore
 from moe_expert_cache.slots import ExpertSlots
+from moe_expert_cache.trace import RouterTrace
 
 # The fuzz model: a 2-layer, 8-expert, top-2 MoE (the conftest's random model).
 NUM_EXPERTS, TOP_K = [8, 8], 2
@@ -88,7 +83,7 @@ def check_store(path: str) -> bool:
 
 
 def _model_matches(path: str) -> bool:
-    cached = load_cached_model(path, CacheConfig(capacity=4))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity=4))
     want = reference_weights(refs()["model"])
     # The model mlx-lm built: its arguments (keys mlx-lm ignores do not count) and weights.
     good_args = type(cached.model.args).from_dict(
@@ -150,7 +145,7 @@ def check_state(path: str) -> bool:
     8-expert model. A re-sealed (forged) state must load exactly as written or be refused;
     any other change must be refused."""
     state = read_state(path)
-    config = config_from_state(CacheConfig(), state)
+    config = config_from_state(ExpertCacheConfig(), state)
     caps = config.layer_capacities(NUM_EXPERTS, TOP_K)
     slots = [
         ExpertSlots(NUM_EXPERTS[i], caps[i], TOP_K, config.pinned.get(i, ()), config.initial.get(i))
@@ -226,7 +221,7 @@ def make_references(root: Path) -> Path:
     foreign = root / "foreign"
     shutil.copytree(sealed, foreign)
     (foreign / INTEGRITY_FILE).unlink()
-    cached = load_cached_model(sealed, CacheConfig(capacity=4, pinned={1: [7]}, mode="skip"))
+    cached = load_cached_model(sealed, ExpertCacheConfig(capacity=4, pinned={1: [7]}, mode="skip"))
     cached.manager.start_trace()
     generate(cached.model, [3, 17, 42, 99], 8, cached.manager)
     cached.manager.save_state(root / "state.json")

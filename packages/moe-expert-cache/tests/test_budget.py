@@ -7,13 +7,13 @@ import numpy as np
 from conftest import PROMPT
 from mlx_lm.models.cache import make_prompt_cache
 
-from moe_expert_cache import CacheConfig, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, load_cached_model
 
 
 def test_skip_mode_swaps_within_budget_and_tables_follow(model_dir):
     cached = load_cached_model(
         model_dir("qwen2_moe", 4),
-        CacheConfig(capacity=3, mode="skip", max_layer_updates=1, max_swaps_per_layer=1),
+        ExpertCacheConfig(capacity=3, mode="skip", max_layer_updates=1, max_swaps_per_layer=1),
     )
     kv = make_prompt_cache(cached.model)
     y = mx.array([PROMPT])

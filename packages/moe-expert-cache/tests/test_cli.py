@@ -9,10 +9,13 @@ import sys
 
 import pytest
 
-from moe_expert_cache import POLICIES, RouterTrace, pinned_experts, read_state
+from moe_expert_cache import read_state
 from moe_expert_cache.cli import build_parser, main
 from moe_expert_cache.config import MODES
+from moe_expert_cache.policies import POLICIES
+from moe_expert_cache.profile import pinned_experts
 from moe_expert_cache.simulator import SIMULATED
+from moe_expert_cache.trace import RouterTrace
 
 
 def run_main(args, capsys):
@@ -90,8 +93,23 @@ def test_generate_bad_capacity(model_dir, capsys):
         capsys,
     )
     assert code == 2
-    assert err.startswith("moe-expert-cache: error: capacity 1 gives 1 experts")
+    assert err.startswith("moe-expert-cache: error: capacity=1 gives 1 experts")
     assert "top_k=2" in err and err.count("\n") == 1
+
+
+def test_generate_capacity_text_says_share_or_count(model_dir, capsys):
+    """``--capacity 1.0`` is a share (every expert), ``--capacity 8`` a count (#56)."""
+    path = str(model_dir("olmoe"))
+    resident = []
+    for value in ("1.0", "8", "0.5", "4"):
+        rc = main(["generate", "--model", path, "--capacity", value, "--prompt-ids", "1"])
+        assert rc == 0
+        out = capsys.readouterr().out
+        line = next(ln for ln in out.splitlines() if ln.startswith("resident expert bytes"))
+        resident.append(line.split(": ")[1].split(" of "))
+    every, half = resident[0][1], int(resident[0][1]) // 2
+    assert resident[0] == resident[1] == [every, every]
+    assert resident[2] == resident[3] == [str(half), every]
 
 
 @pytest.mark.parametrize("command", ["generate", "simulate"])

@@ -11,19 +11,14 @@ import struct
 import mlx.core as mx
 import pytest
 
-from moe_expert_cache import (
-    CacheConfig,
-    ExpertCacheError,
-    RouterTrace,
-    load_cached_model,
-    read_state,
-)
+from moe_expert_cache import ExpertCacheConfig, ExpertCacheError, load_cached_model, read_state
 from moe_expert_cache.checked_json import dumps_checksummed
 from moe_expert_cache.cli import main
 from moe_expert_cache.expert_store import INTEGRITY_FILE, ExpertStore
 from moe_expert_cache.safetensors_io import SafetensorsShard
 from moe_expert_cache.simulator import synthetic_trace
 from moe_expert_cache.slots import ExpertSlots
+from moe_expert_cache.trace import RouterTrace
 
 SHARD = "model-00002-of-00002.safetensors"
 
@@ -211,7 +206,7 @@ def _forged_state(path, change):
 )
 def test_forged_state_is_refused(model_dir, tmp_path, change, match):
     """A state whose SHA-256 was recomputed after the edit still has to make sense."""
-    cached = load_cached_model(model_dir("qwen2_moe"), CacheConfig(capacity=4))
+    cached = load_cached_model(model_dir("qwen2_moe"), ExpertCacheConfig(capacity=4))
     cached.manager.save_state(tmp_path / "state.json")
     state = read_state(tmp_path / "state.json")
     assert 7 not in state["resident"][0]  # so that pinning 7 pins a non-resident expert
@@ -221,7 +216,7 @@ def test_forged_state_is_refused(model_dir, tmp_path, change, match):
 
 
 def test_state_header_is_under_the_checksum(model_dir, tmp_path):
-    cached = load_cached_model(model_dir("qwen2_moe"), CacheConfig(capacity=4))
+    cached = load_cached_model(model_dir("qwen2_moe"), ExpertCacheConfig(capacity=4))
     cached.manager.save_state(tmp_path / "state.json")
     text = (tmp_path / "state.json").read_text().replace('"version": 2', '"version": 3')
     (tmp_path / "state.json").write_text(text)
@@ -232,10 +227,10 @@ def test_state_header_is_under_the_checksum(model_dir, tmp_path):
 def test_state_for_another_model_is_refused(model_dir, tmp_path):
     from moe_expert_cache import config_from_state
 
-    cached = load_cached_model(model_dir("qwen2_moe"), CacheConfig(capacity=4))
+    cached = load_cached_model(model_dir("qwen2_moe"), ExpertCacheConfig(capacity=4))
     cached.manager.save_state(tmp_path / "state.json")
     _forged_state(tmp_path / "state.json", lambda s: s.__setitem__("num_experts", [9, 9]))
-    config = config_from_state(CacheConfig(), read_state(tmp_path / "state.json"))
+    config = config_from_state(ExpertCacheConfig(), read_state(tmp_path / "state.json"))
     with pytest.raises(ExpertCacheError, match=r"saved state is for \[9, 9\] experts"):
         load_cached_model(model_dir("qwen2_moe"), config)
 

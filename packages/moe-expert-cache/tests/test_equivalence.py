@@ -8,7 +8,7 @@ from conftest import DECODE_STEPS, PROMPT, decode_logits
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from membound_testing.random_moe import ARCHITECTURES
-from moe_expert_cache import CacheConfig, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, load_cached_model
 from moe_expert_cache.moe_blocks import CachedMoeBlock
 
 CASES = [(arch, bits) for arch in ARCHITECTURES for bits in (None, 4)]
@@ -21,7 +21,9 @@ def max_diff(a, b) -> float:
 @pytest.mark.parametrize(("arch", "bits"), CASES)
 def test_exact_mode_matches_stock_with_half_the_experts(model_dir, stock_run, arch, bits):
     tokens, stock_logits, _ = stock_run(arch, bits)
-    cached = load_cached_model(model_dir(arch, bits), CacheConfig(capacity=0.5, mode="exact"))
+    cached = load_cached_model(
+        model_dir(arch, bits), ExpertCacheConfig(capacity_share=0.5, mode="exact")
+    )
     trace = cached.manager.start_trace()
     logits = decode_logits(cached.model, tokens, cached.manager)
     assert len(logits) == DECODE_STEPS + 1
@@ -45,7 +47,9 @@ def test_skip_mode_with_every_expert_cached_equals_stock(model_dir, stock_run, a
     path with every needed expert resident (where renormalising would change Qwen2-MoE
     and OLMoE, the published bug)."""
     tokens, stock_logits, _ = stock_run(arch, bits)
-    cached = load_cached_model(model_dir(arch, bits), CacheConfig(capacity=1.0, mode="skip"))
+    cached = load_cached_model(
+        model_dir(arch, bits), ExpertCacheConfig(capacity_share=1.0, mode="skip")
+    )
     logits = decode_logits(cached.model, tokens, cached.manager)
     assert max_diff(logits, stock_logits) <= 1e-5
     assert cached.manager.total_metrics().skipped == 0
@@ -55,14 +59,14 @@ def test_skip_mode_with_every_expert_cached_equals_stock(model_dir, stock_run, a
 def test_skip_mode_differs_when_a_requested_expert_is_missing(model_dir, stock_run, arch):
     tokens, stock_logits, _ = stock_run(arch)
     # Learn which expert layer 0 uses on the prompt, then keep it out and forbid swaps.
-    probe = load_cached_model(model_dir(arch), CacheConfig(capacity=1.0, mode="skip"))
+    probe = load_cached_model(model_dir(arch), ExpertCacheConfig(capacity_share=1.0, mode="skip"))
     trace = probe.manager.start_trace()
     decode_logits(probe.model, tokens[: len(PROMPT)], probe.manager)
     missing = int(trace.layer_requests(0)[0, 0])
     keep = [e for e in range(8) if e != missing]
     cached = load_cached_model(
         model_dir(arch),
-        CacheConfig(capacity=7, mode="skip", initial={0: keep}, max_swaps_per_layer=0),
+        ExpertCacheConfig(capacity=7, mode="skip", initial={0: keep}, max_swaps_per_layer=0),
     )
     logits = decode_logits(cached.model, tokens, cached.manager)
     assert max_diff(logits[:1], stock_logits[:1]) > 1e-3
@@ -72,7 +76,7 @@ def test_skip_mode_differs_when_a_requested_expert_is_missing(model_dir, stock_r
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_blocks_are_replaced_by_real_modules(model_dir, arch):
-    cached = load_cached_model(model_dir(arch), CacheConfig(capacity=4))
+    cached = load_cached_model(model_dir(arch), ExpertCacheConfig(capacity=4))
     blocks = [
         getattr(layer, "mlp", None) or layer.block_sparse_moe for layer in cached.model.layers
     ]

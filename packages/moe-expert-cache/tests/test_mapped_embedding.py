@@ -1,4 +1,4 @@
-"""``CacheConfig(map_embeddings=True)``: the input embedding table stays in the shard's
+"""``ExpertCacheConfig(map_embeddings=True)``: the input embedding table stays in the shard's
 memory map, the output stays the stock model's, and what cannot be mapped is refused."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import decode_logits
 from mlx.utils import tree_flatten
 
 from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
-from moe_expert_cache import CacheConfig, ExpertCacheError, load_cached_model, seal_model
+from moe_expert_cache import ExpertCacheConfig, ExpertCacheError, load_cached_model, seal_model
 from moe_expert_cache.cli import main
 from moe_expert_cache.mapped_embedding import EMBEDDING_KEY, MappedEmbedding
 
@@ -38,7 +38,7 @@ def test_mapped_embedding_gives_stock_logits_and_is_never_materialised(
         return real_read(self, info, row, crc32)
 
     monkeypatch.setattr(SafetensorsShard, "read", spy)
-    cached = load_cached_model(path, CacheConfig(capacity=0.5, map_embeddings=True))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity_share=0.5, map_embeddings=True))
     assert EMBEDDING_KEY not in reads  # the table is never copied out whole
     assert isinstance(cached.model.model.embed_tokens, MappedEmbedding)
     assert _embedding_param_names(cached.model) == []
@@ -54,7 +54,9 @@ def test_mlx_holds_the_table_less(model_dir):
         gc.collect()
         mx.clear_cache()
         before = mx.get_active_memory()
-        cached = load_cached_model(path, CacheConfig(capacity=0.5, map_embeddings=mapped))
+        cached = load_cached_model(
+            path, ExpertCacheConfig(capacity_share=0.5, map_embeddings=mapped)
+        )
         held[mapped] = mx.get_active_memory() - before
         del cached
     config = random_moe_config("qwen2_moe")
@@ -65,8 +67,8 @@ def test_mlx_holds_the_table_less(model_dir):
 def test_rows_are_the_stored_rows_in_their_dtype(tmp_path):
     config = random_moe_config("mixtral")
     path = write_random_moe(tmp_path / "bf16", config, dtype=mx.bfloat16, seal=seal_model)
-    plain = load_cached_model(path, CacheConfig(capacity=1.0))
-    mapped = load_cached_model(path, CacheConfig(capacity=1.0, map_embeddings=True))
+    plain = load_cached_model(path, ExpertCacheConfig(capacity_share=1.0))
+    mapped = load_cached_model(path, ExpertCacheConfig(capacity_share=1.0, map_embeddings=True))
     ids = mx.array([[0, 5, 255, 5]])
     want = plain.model.model.embed_tokens(ids)
     got = mapped.model.model.embed_tokens(ids)
@@ -75,7 +77,7 @@ def test_rows_are_the_stored_rows_in_their_dtype(tmp_path):
 
 
 def test_ids_outside_the_table_are_refused(model_dir):
-    cached = load_cached_model(model_dir("mixtral"), CacheConfig(map_embeddings=True))
+    cached = load_cached_model(model_dir("mixtral"), ExpertCacheConfig(map_embeddings=True))
     embed = cached.model.model.embed_tokens
     with pytest.raises(ExpertCacheError, match=r"outside the embedding table \[0, 256\)"):
         embed(mx.array([[1, 256]]))
@@ -87,16 +89,16 @@ def test_ids_outside_the_table_are_refused(model_dir):
 
 def test_a_quantized_table_is_refused_before_anything_is_read(model_dir):
     with pytest.raises(ExpertCacheError, match="quantized embedding tables are not mapped"):
-        load_cached_model(model_dir("mixtral", 4), CacheConfig(map_embeddings=True))
+        load_cached_model(model_dir("mixtral", 4), ExpertCacheConfig(map_embeddings=True))
 
 
 def test_a_tied_embedding_is_refused(tmp_path):
     config = {**random_moe_config("mixtral"), "tie_word_embeddings": True}
     path = write_random_moe(tmp_path / "tied", config, seal=seal_model)
     with pytest.raises(ExpertCacheError, match="needs an untied lm_head"):
-        load_cached_model(path, CacheConfig(map_embeddings=True))
+        load_cached_model(path, ExpertCacheConfig(map_embeddings=True))
     # Without the option the tied model loads as before.
-    assert load_cached_model(path, CacheConfig()).model.model.embed_tokens.weight.shape == (
+    assert load_cached_model(path, ExpertCacheConfig()).model.model.embed_tokens.weight.shape == (
         256,
         64,
     )
@@ -113,12 +115,12 @@ def test_a_damaged_table_fails_its_crc(tmp_path):
     data[8 + header_len + begin + 100] ^= 0x01
     shard.write_bytes(bytes(data))
     with pytest.raises(ExpertCacheError, match=f"{EMBEDDING_KEY}.*CRC-32"):
-        load_cached_model(path, CacheConfig(map_embeddings=True))
+        load_cached_model(path, ExpertCacheConfig(map_embeddings=True))
 
 
 def test_map_embeddings_must_be_a_bool():
     with pytest.raises(ExpertCacheError, match="map_embeddings must be True or False"):
-        CacheConfig(map_embeddings="yes")
+        ExpertCacheConfig(map_embeddings="yes")
 
 
 def test_cli_map_embeddings(model_dir, capsys):

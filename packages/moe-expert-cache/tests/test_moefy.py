@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 from moe_expert_cache.moefy import MoefyConfig, build_key, load_dense, moefy
 
 IDS = np.random.default_rng(0).integers(0, 128, 96).tolist()
@@ -58,11 +58,11 @@ def test_the_shared_expert_checkpoint_with_every_expert_is_the_dense_model(share
 def test_exact_mode_equals_stock_on_the_shared_expert_checkpoint(shared_moe):
     stock, _ = load_model(shared_moe)
     want = generate(stock, IDS[:8], 6).tokens
-    cached = load_cached_model(shared_moe, CacheConfig(capacity=0.5, mode="exact"))
+    cached = load_cached_model(shared_moe, ExpertCacheConfig(capacity_share=0.5, mode="exact"))
     assert generate(cached.model, IDS[:8], 6, cached.manager).tokens == want
     assert cached.manager.total_metrics().misses > 0
     ids = mx.array(IDS[:24])[None]
-    fresh = load_cached_model(shared_moe, CacheConfig(capacity=0.5, mode="exact"))
+    fresh = load_cached_model(shared_moe, ExpertCacheConfig(capacity_share=0.5, mode="exact"))
     assert float(mx.abs(fresh.model(ids) - stock(ids)).max()) <= 1e-5
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import PROMPT
 
 from membound_testing.random_moe import random_moe_config, write_random_moe
-from moe_expert_cache import CacheConfig, generate, load_cached_model, seal_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model, seal_model
 from moe_expert_cache.moefy import MoefyConfig, moefy
 
 
@@ -44,7 +44,7 @@ def test_moefy_checkpoint_follows_the_umask(tmp_path, umask, tiny_llama):
     got = modes(out)
     assert len(got) > 5 and got == expect(out, umask)
     # and what it wrote is a working MoE
-    cached = load_cached_model(out, CacheConfig(capacity=0.5))
+    cached = load_cached_model(out, ExpertCacheConfig(capacity_share=0.5))
     assert len(generate(cached.model, [1, 2, 3], 3, cached.manager).tokens) == 3
 
 
@@ -52,7 +52,7 @@ def test_random_checkpoint_state_and_trace_follow_the_umask(tmp_path, umask):
     root = tmp_path / "out"
     root.mkdir(mode=0o777 & ~umask)
     model = write_random_moe(root / "model", random_moe_config("olmoe"), bits=4, seal=seal_model)
-    cached = load_cached_model(model, CacheConfig(capacity=0.5, mode="skip"))
+    cached = load_cached_model(model, ExpertCacheConfig(capacity_share=0.5, mode="skip"))
     cached.manager.start_trace()
     generate(cached.model, PROMPT, 4, cached.manager)
     cached.manager.save_state(root / "state.json")

@@ -13,7 +13,7 @@ from mlx_lm.utils import load_model
 
 from membound_testing.random_moe import ARCHITECTURES, random_moe_config, write_random_moe
 from moe_expert_cache import (
-    CacheConfig,
+    ExpertCacheConfig,
     ExpertCacheError,
     config_from_state,
     load_cached_model,
@@ -52,8 +52,8 @@ def max_diff(a, b) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-def run(path, tokens, capacity=0.5, prefetch=True, trace=False):
-    cached = load_cached_model(path, CacheConfig(capacity=capacity, prefetch=prefetch))
+def run(path, tokens, capacity=None, prefetch=True, trace=False):
+    cached = load_cached_model(path, ExpertCacheConfig(capacity=capacity, prefetch=prefetch))
     if trace:
         cached.manager.start_trace()
     return cached, decode_logits(cached.model, tokens, cached.manager)
@@ -77,11 +77,11 @@ def stacks_at_capacity(cached) -> None:
 def test_config_refuses_bad_prefetch_values():
     for bad in ("yes", 1, None):
         with pytest.raises(ExpertCacheError, match="prefetch must be True or False"):
-            CacheConfig(prefetch=bad)
+            ExpertCacheConfig(prefetch=bad)
     with pytest.raises(ExpertCacheError, match="prefetch=True needs mode='exact'"):
-        CacheConfig(prefetch=True, mode="skip")
-    assert CacheConfig(prefetch=np.bool_(True)).prefetch is True
-    assert CacheConfig().prefetch is False
+        ExpertCacheConfig(prefetch=True, mode="skip")
+    assert ExpertCacheConfig(prefetch=np.bool_(True)).prefetch is True
+    assert ExpertCacheConfig().prefetch is False
 
 
 @pytest.mark.parametrize(("arch", "bits"), CASES)
@@ -109,7 +109,7 @@ def test_every_guess_wrong_still_gives_the_stock_output(deep, arch):
     path, tokens, stock_logits = deep(arch)
     plain, _ = run(path, tokens, prefetch=False, trace=True)
     actual = {i: plain.manager.trace.layer_requests(i) for i in range(LAYERS)}  # (T, k)
-    cached = load_cached_model(path, CacheConfig(capacity=0.5, prefetch=True))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity_share=0.5, prefetch=True))
     position = dict.fromkeys(range(LAYERS), 0)
 
     def wrong_guess(index, x):
@@ -139,7 +139,7 @@ def test_any_guess_keeps_capacity_and_the_stock_output(deep, seed, capacity):
     top_k, the stacks hold capacity experts at every layer call, the output is stock's."""
     path, tokens, stock_logits = deep("mixtral", 4)
     plain, _ = run(path, tokens, capacity=capacity, prefetch=False)
-    cached = load_cached_model(path, CacheConfig(capacity=capacity, prefetch=True))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity=capacity, prefetch=True))
     rng = np.random.default_rng(seed)
     cached.manager.prefetch.guess = lambda index, x: rng.integers(
         0, EXPERTS, (x.shape[0] * x.shape[1], TOP_K)
@@ -165,7 +165,7 @@ def test_any_guess_keeps_capacity_and_the_stock_output(deep, seed, capacity):
 def test_a_warm_start_keeps_prefetch_on(deep):
     path, tokens, stock_logits = deep("qwen3_moe")
     first, _ = run(path, tokens)
-    config = config_from_state(CacheConfig(prefetch=True), first.manager.state())
+    config = config_from_state(ExpertCacheConfig(prefetch=True), first.manager.state())
     assert config.prefetch is True
     warm = load_cached_model(path, config)
     assert max_diff(decode_logits(warm.model, tokens, warm.manager), stock_logits) <= 1e-5
@@ -183,7 +183,7 @@ def test_a_layer_without_the_pre_moe_norm_is_refused_before_anything_changes(dee
     store = ExpertStore(path)
     try:
         with pytest.raises(ExpertCacheError, match="has no post_attention_layernorm"):
-            patch_model(model, store, CacheConfig(prefetch=True))
+            patch_model(model, store, ExpertCacheConfig(prefetch=True))
     finally:
         store.close()
     assert all(

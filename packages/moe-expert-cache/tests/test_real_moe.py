@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 from moe_expert_cache.moefy import BUILD_RECORD, MoefyConfig, load_dense, moefy
 
 QUESTION = "What is the capital of France?"
@@ -79,10 +79,10 @@ def test_all_experts_with_equal_weights_are_the_dense_model(real_moe):
     assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()
 
 
-@pytest.mark.parametrize("capacity", [0.5, 1.0])
-def test_exact_mode_equals_stock_on_the_real_moe(real_moe, stock, capacity):
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_exact_mode_equals_stock_on_the_real_moe(real_moe, stock, share):
     prompt, tokens, stock_logits = stock
-    cached = load_cached_model(real_moe, CacheConfig(capacity=capacity, mode="exact"))
+    cached = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=share, mode="exact"))
     logits = teacher_forced(cached.model, prompt, tokens, cached.manager)
     assert (
         max(float(np.abs(a - b).max()) for a, b in zip(logits, stock_logits, strict=True)) <= 1e-5
@@ -90,21 +90,21 @@ def test_exact_mode_equals_stock_on_the_real_moe(real_moe, stock, capacity):
     manager = cached.manager
     expert_bytes = 3 * 96 * 576 * 4  # gate, up, down of 96 neurons, float32
     assert manager.layers[0].expert_nbytes == expert_bytes
-    assert manager.resident_expert_bytes() == 30 * round(capacity * 16) * expert_bytes
-    if capacity < 1.0:
+    assert manager.resident_expert_bytes() == 30 * round(share * 16) * expert_bytes
+    if share < 1.0:
         assert manager.total_metrics().misses > 0  # the cache really was too small
-    again = load_cached_model(real_moe, CacheConfig(capacity=capacity, mode="exact"))
+    again = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=share, mode="exact"))
     assert generate(again.model, prompt, NEW_TOKENS, again.manager).tokens == tokens
 
 
-@pytest.mark.parametrize("capacity", [0.25, 0.5])
-def test_prefetch_keeps_exact_mode_exact_on_the_real_moe(real_moe, stock, capacity):
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_prefetch_keeps_exact_mode_exact_on_the_real_moe(real_moe, stock, share):
     """The next layer's router on the previous layer's output guesses right often enough
     on real routing to serve requests, and the output stays the stock model's."""
     prompt, tokens, stock_logits = stock
-    plain = load_cached_model(real_moe, CacheConfig(capacity=capacity, mode="exact"))
+    plain = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=share, mode="exact"))
     teacher_forced(plain.model, prompt, tokens, plain.manager)
-    cached = load_cached_model(real_moe, CacheConfig(capacity=capacity, prefetch=True))
+    cached = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=share, prefetch=True))
     logits = teacher_forced(cached.model, prompt, tokens, cached.manager)
     assert (
         max(float(np.abs(a - b).max()) for a, b in zip(logits, stock_logits, strict=True)) <= 1e-5
@@ -114,8 +114,8 @@ def test_prefetch_keeps_exact_mode_exact_on_the_real_moe(real_moe, stock, capaci
     assert total.prefetch_used > total.prefetched / 2
     assert total.hits > without.hits and total.swaps == without.swaps
     assert cached.manager.state() == plain.manager.state()
-    assert cached.manager.resident_expert_bytes() == 30 * round(capacity * 16) * (3 * 96 * 576 * 4)
-    again = load_cached_model(real_moe, CacheConfig(capacity=capacity, prefetch=True))
+    assert cached.manager.resident_expert_bytes() == 30 * round(share * 16) * (3 * 96 * 576 * 4)
+    again = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=share, prefetch=True))
     assert generate(again.model, prompt, NEW_TOKENS, again.manager).tokens == tokens
 
 
@@ -161,7 +161,7 @@ def test_exact_mode_equals_stock_on_the_shared_expert_build(real_shared_moe, map
     prompt = chat_ids(real_shared_moe)
     tokens = generate(model, prompt, NEW_TOKENS).tokens
     stock_logits = teacher_forced(model, prompt, tokens)
-    config = CacheConfig(capacity=0.5, mode="exact", map_embeddings=map_embeddings)
+    config = ExpertCacheConfig(capacity_share=0.5, mode="exact", map_embeddings=map_embeddings)
     cached = load_cached_model(real_shared_moe, config)
     logits = teacher_forced(cached.model, prompt, tokens, cached.manager)
     assert (

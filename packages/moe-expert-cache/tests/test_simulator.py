@@ -8,18 +8,11 @@ import pytest
 from conftest import PROMPT
 from hypothesis import given, settings
 
-from moe_expert_cache import (
-    CacheConfig,
-    ExpertCacheError,
-    RouterTrace,
-    adaptive_capacity,
-    generate,
-    load_cached_model,
-    pinned_experts,
-    simulate,
-)
+from moe_expert_cache import ExpertCacheConfig, ExpertCacheError, generate, load_cached_model
 from moe_expert_cache.policies import make_policy
-from moe_expert_cache.simulator import replay_layer, synthetic_trace
+from moe_expert_cache.profile import adaptive_capacity, pinned_experts
+from moe_expert_cache.simulator import replay_layer, simulate, synthetic_trace
+from moe_expert_cache.trace import RouterTrace
 
 
 def test_policy_orders():
@@ -82,7 +75,7 @@ def test_corrupted_trace(tmp_path):
 
 def test_live_exact_cache_matches_its_simulation(model_dir):
     """The simulator replays the live cache: same policy, same hits, token for token."""
-    cached = load_cached_model(model_dir("qwen3_moe"), CacheConfig(capacity=3, policy="lcp"))
+    cached = load_cached_model(model_dir("qwen3_moe"), ExpertCacheConfig(capacity=3, policy="lcp"))
     trace = cached.manager.start_trace()
     generate(cached.model, PROMPT[:1], 24, cached.manager)
     (row,) = simulate(trace, [3], ["lcp"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from membound_testing.random_moe import ARCHITECTURES
-from moe_expert_cache import CacheConfig, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, load_cached_model
 
 
 def silu(v):
@@ -55,7 +55,7 @@ def test_skip_mode_matches_reference(model_dir, stock_run, arch):
     _, _, stock = stock_run(arch)
     resident = {0, 2, 3, 5, 6}
     cached = load_cached_model(
-        model_dir(arch), CacheConfig(capacity=5, mode="skip", initial={0: sorted(resident)})
+        model_dir(arch), ExpertCacheConfig(capacity=5, mode="skip", initial={0: sorted(resident)})
     )
     layer = cached.model.layers[0]
     block = layer.block_sparse_moe if arch == "mixtral" else layer.mlp
@@ -81,7 +81,7 @@ def test_skip_path_with_every_needed_expert_resident_equals_stock_block(model_di
     needed = sorted({int(e) for row in gates for e in np.argsort(-row)[:2]})
     capacity = max(len(needed), 2)
     cached = load_cached_model(
-        model_dir(arch), CacheConfig(capacity=capacity, mode="skip", initial={0: needed})
+        model_dir(arch), ExpertCacheConfig(capacity=capacity, mode="skip", initial={0: needed})
     )
     assert capacity < 8 and not cached.manager.layers[0].full
     layer = cached.model.layers[0]

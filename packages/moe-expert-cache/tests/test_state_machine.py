@@ -6,8 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from moe_expert_cache import POLICIES
-from moe_expert_cache.policies import make_policy
+from moe_expert_cache.policies import POLICIES, make_policy
 from moe_expert_cache.slots import ExpertSlots
 
 E, K = 10, 2

@@ -14,7 +14,7 @@ import pytest
 from conftest import PROMPT
 from mlx_lm.utils import load_model, load_tokenizer
 
-from moe_expert_cache import CacheConfig, ExpertCacheError, generate, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, ExpertCacheError, generate, load_cached_model
 
 NEW_TOKENS = 8
 
@@ -46,7 +46,7 @@ def test_exact_mode_under_stream_generate_counts_every_forward_and_equals_stock(
     real_moe, real_prompt, stock_tokens
 ):
     tokenizer, ids = real_prompt
-    cached = load_cached_model(real_moe, CacheConfig(capacity=0.5, mode="exact"))
+    cached = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=0.5, mode="exact"))
     layer0 = cached.manager.layers[0]
     tokens, seen = [], []
     for r in mlx_lm.stream_generate(cached.model, tokenizer, ids, max_tokens=NEW_TOKENS):
@@ -68,7 +68,7 @@ def test_exact_mode_under_stream_generate_counts_every_forward_and_equals_stock(
 
 def test_exact_mode_under_generate_gives_stock_text(real_moe, real_prompt, stock_tokens):
     tokenizer, ids = real_prompt
-    cached = load_cached_model(real_moe, CacheConfig(capacity=0.25, mode="exact"))
+    cached = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=0.25, mode="exact"))
     text = mlx_lm.generate(cached.model, tokenizer, ids, max_tokens=NEW_TOKENS)
     assert text == tokenizer.decode(stock_tokens)
     assert cached.manager.total_metrics().swaps > 0
@@ -76,7 +76,7 @@ def test_exact_mode_under_generate_gives_stock_text(real_moe, real_prompt, stock
 
 def test_skip_mode_swaps_under_generate(real_moe, real_prompt):
     tokenizer, ids = real_prompt
-    cached = load_cached_model(real_moe, CacheConfig(capacity=0.5, mode="skip"))
+    cached = load_cached_model(real_moe, ExpertCacheConfig(capacity_share=0.5, mode="skip"))
     before = [list(layer.slots.slot_to_expert) for layer in cached.manager.layers]
     swaps_while_generating = []
 
@@ -100,7 +100,7 @@ def test_own_loop_and_stock_loop_do_the_same_updates(model_dir):
     """The package's loop updates after each token, the forward hook before the next one:
     the same updates, so skip mode gives the same tokens and cache either way."""
     path = model_dir("qwen3_moe", 4)
-    config = CacheConfig(capacity=3, mode="skip")
+    config = ExpertCacheConfig(capacity=3, mode="skip")
     own = load_cached_model(path, config)
     want = generate(own.model, PROMPT, 10, own.manager).tokens
     hooked = load_cached_model(path, config)
@@ -112,7 +112,7 @@ def test_own_loop_and_stock_loop_do_the_same_updates(model_dir):
 
 
 def test_the_cached_model_refuses_ids_outside_the_vocabulary(model_dir):
-    cached = load_cached_model(model_dir("mixtral"), CacheConfig(capacity=0.5))
+    cached = load_cached_model(model_dir("mixtral"), ExpertCacheConfig(capacity_share=0.5))
     with pytest.raises(ExpertCacheError, match=r"vocab_size=256\), got \[1000000\]"):
         cached.model(mx.array([[1, 1000000]]))
     with pytest.raises(ExpertCacheError, match=r"got \[-1\]"):

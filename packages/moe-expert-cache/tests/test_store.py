@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from moe_expert_cache import CacheConfig, generate, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 from moe_expert_cache.expert_store import ExpertStore
 from moe_expert_cache.safetensors_io import SafetensorsShard
 
@@ -51,7 +51,7 @@ def test_only_expert_rows_are_read_and_misses_cost_one_expert(model_dir, monkeyp
         return original(self, info, row, crc32)
 
     monkeypatch.setattr(SafetensorsShard, "read", spy)
-    cached = load_cached_model(model_dir("mixtral", 4), CacheConfig(capacity=3))
+    cached = load_cached_model(model_dir("mixtral", 4), ExpertCacheConfig(capacity=3))
     # Every read of an (8, ...) expert stack is one row; whole reads are non-expert tensors.
     assert all(row is not None for shape, row in reads if len(shape) == 3 and shape[0] == 8)
     warm = {b: n for b, n in cached.store.bytes_read.items()}
@@ -66,26 +66,31 @@ def test_only_expert_rows_are_read_and_misses_cost_one_expert(model_dir, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("capacity", "match"),
-    [(1, "top_k=2"), (9, "num_experts=8"), (0.1, "top_k=2"), (1.5, r"\(0, 1\]"), ([4], "layers")],
+    ("given", "match"),
+    [
+        ({"capacity": 1}, "top_k=2"),
+        ({"capacity": 9}, "num_experts=8"),
+        ({"capacity_share": 0.1}, r"capacity_share=0\.1 gives 1 experts .* top_k=2"),
+        ({"capacity": [4]}, "layers"),
+    ],
 )
-def test_bad_capacity(model_dir, capacity, match):
+def test_bad_capacity(model_dir, given, match):
     with pytest.raises(ValueError, match=match):
-        load_cached_model(model_dir("olmoe"), CacheConfig(capacity=capacity))
+        load_cached_model(model_dir("olmoe"), ExpertCacheConfig(**given))
 
 
 def test_bad_config_values():
     with pytest.raises(ValueError, match="mode"):
-        CacheConfig(mode="fast")
+        ExpertCacheConfig(mode="fast")
     with pytest.raises(ValueError, match="policy"):
-        CacheConfig(policy="fifo")
+        ExpertCacheConfig(policy="fifo")
     with pytest.raises(ValueError, match="max_layer_updates"):
-        CacheConfig(max_layer_updates=-1)
+        ExpertCacheConfig(max_layer_updates=-1)
 
 
 def test_too_many_pinned_experts(model_dir):
     with pytest.raises(ValueError, match="pinned"):
-        load_cached_model(model_dir("olmoe"), CacheConfig(capacity=4, pinned={0: [0, 1, 2]}))
+        load_cached_model(model_dir("olmoe"), ExpertCacheConfig(capacity=4, pinned={0: [0, 1, 2]}))
 
 
 def test_model_without_moe_layers(tmp_path):
@@ -148,10 +153,10 @@ def test_warm_start_from_saved_state(model_dir, tmp_path):
     from moe_expert_cache import config_from_state, read_state
 
     path = model_dir("qwen2_moe")
-    cached = load_cached_model(path, CacheConfig(capacity=4, pinned={1: [7]}))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity=4, pinned={1: [7]}))
     tokens = generate(cached.model, PROMPT, 6, cached.manager).tokens
     cached.manager.save_state(tmp_path / "state.json")
-    config = config_from_state(CacheConfig(), read_state(tmp_path / "state.json"))
+    config = config_from_state(ExpertCacheConfig(), read_state(tmp_path / "state.json"))
     warm = load_cached_model(path, config)
     assert warm.manager.state() == cached.manager.state()
     assert 7 in warm.manager.layers[1].slots.pinned
@@ -170,7 +175,7 @@ def test_patch_model_checks_everything_before_changing_the_model(model_dir):
 
     path = model_dir("mixtral")
     model, _ = load_model(path)
-    bad = CacheConfig(capacity=4, pinned={1: [0, 1, 2]})  # layer 1 cannot hold these pins
+    bad = ExpertCacheConfig(capacity=4, pinned={1: [0, 1, 2]})  # layer 1 cannot hold these pins
     with pytest.raises(ValueError, match="pinned"):
         patch_model(model, ExpertStore(path), bad)
     assert all(isinstance(layer.block_sparse_moe, MixtralSparseMoeBlock) for layer in model.layers)
@@ -179,7 +184,7 @@ def test_patch_model_checks_everything_before_changing_the_model(model_dir):
 @settings(max_examples=50, deadline=None)
 @given(share=st.floats(0.01, 1.0), experts=st.integers(2, 64), top_k=st.integers(1, 8))
 def test_share_capacity_is_rounded_or_refused(share, experts, top_k):
-    config = CacheConfig(capacity=share)
+    config = ExpertCacheConfig(capacity_share=share)
     want = round(share * experts)
     if top_k <= want <= experts:
         assert config.layer_capacities([experts, experts], top_k) == [want, want]

@@ -25,7 +25,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from membound_testing.support import record
-from moe_expert_cache import CacheConfig, ExpertCacheError, load_cached_model
+from moe_expert_cache import ExpertCacheConfig, ExpertCacheError, load_cached_model
 
 PACKAGE = "moe-expert-cache"
 PROMISE = "exact = stock mlx-lm"  # float32 and 4-bit: a cell says yes only if both hold
@@ -234,7 +234,7 @@ def test_exact_mode_equals_stock_mlx_lm(tmp_path, model_type, bits):
     # DeepSeek's and GLM-4.5's first layer is dense, as in the real models.
     moe_layers = list(range(sizes.get("first_k_dense_replace", 0), sizes["num_hidden_layers"]))
     for prefetch in (False, True):
-        config = CacheConfig(capacity=CAPACITY, mode="exact", prefetch=prefetch)
+        config = ExpertCacheConfig(capacity=CAPACITY, mode="exact", prefetch=prefetch)
         cached = load_cached_model(model_dir, config)
         tokens, logits = greedy(cached.model)
 
@@ -264,7 +264,7 @@ def test_other_moe_architectures_are_refused_by_name(tmp_path, monkeypatch, mode
     load_model(model_dir)  # a checkpoint stock mlx-lm opens
     before = {f.name: os.stat(f).st_mtime_ns for f in model_dir.iterdir()}
     with pytest.raises(ExpertCacheError, match=f"model_type '{model_type}'") as info:
-        load_cached_model(model_dir, CacheConfig(capacity=CAPACITY, mode="exact"))
+        load_cached_model(model_dir, ExpertCacheConfig(capacity=CAPACITY, mode="exact"))
     assert "no MoE layers this package can page" in str(info.value)
     assert {f.name: os.stat(f).st_mtime_ns for f in model_dir.iterdir()} == before
     record(PACKAGE, model_type, PROMISE, refused=info.value)
@@ -294,7 +294,7 @@ def test_skip_mode_drops_misses_as_the_router_normalises(tmp_path, model_type):
     stock, _ = load_model(model_dir)
     resident = [0, 2, 3, 5, 6]
     cached = load_cached_model(
-        model_dir, CacheConfig(capacity=len(resident), mode="skip", initial={0: resident})
+        model_dir, ExpertCacheConfig(capacity=len(resident), mode="skip", initial={0: resident})
     )
     path = cached.manager.layers[0].block_path  # model.layers.<i>.<attr>
     i, attr = int(path.split(".")[2]), path.split(".")[3]

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from moe_expert_cache.config import MODES, CacheConfig
+from moe_expert_cache.config import DEFAULT_CAPACITY_SHARE, MODES, ExpertCacheConfig
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.generate import generate
 from moe_expert_cache.loader import load_cached_model
@@ -23,7 +23,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _capacity(text: str) -> float | int:
-    """``0.5`` (a share of each layer's experts) or ``16`` (a count per layer)."""
+    """``0.5`` (a share of each layer's experts) or ``16`` (a count per layer): the text
+    decides, so ``1.0`` keeps every expert and ``1`` one."""
     try:
         return float(text) if "." in text else int(text)
     except ValueError:
@@ -64,7 +65,7 @@ def _tokenizer(args):
     return tokenizer
 
 
-def _profiled(config: CacheConfig, trace: RouterTrace, args) -> CacheConfig:
+def _profiled(config: ExpertCacheConfig, trace: RouterTrace, args) -> ExpertCacheConfig:
     """Capacities (adaptive or uniform) and pins from a profiling trace."""
     caps = config.layer_capacities([trace.num_experts] * trace.num_layers, trace.top_k)
     if args.adaptive:
@@ -73,14 +74,16 @@ def _profiled(config: CacheConfig, trace: RouterTrace, args) -> CacheConfig:
     if args.pin_share is not None:
         pins = pinned_experts(trace, args.pin_share)
         pinned = {i: pins[i][: caps[i] - trace.top_k] for i in range(trace.num_layers)}
-    return replace(config, capacity=caps, pinned=pinned)
+    return replace(config, capacity=caps, capacity_share=None, pinned=pinned)
 
 
 def cmd_generate(args) -> int:
     if (args.pin_share is not None or args.adaptive) and not args.profile:
         raise ExpertCacheError("--pin-share and --adaptive need --profile")
-    config = CacheConfig(
-        capacity=args.capacity,
+    share = isinstance(args.capacity, float)
+    config = ExpertCacheConfig(
+        capacity=None if share else args.capacity,
+        capacity_share=args.capacity if share else None,
         mode=args.mode,
         policy=args.policy,
         prefetch=args.prefetch,
@@ -144,17 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--capacity",
         type=_capacity,
-        default=CacheConfig.capacity,
-        help="resident experts per MoE layer: a share (0.5) or a count (16)",
+        default=DEFAULT_CAPACITY_SHARE,
+        help="resident experts per MoE layer: a share with a decimal point (0.5, 1.0: "
+        "capacity_share) or a count without one (16: capacity)",
     )
     g.add_argument(
         "--mode",
         choices=MODES,
-        default=CacheConfig.mode,
+        default=ExpertCacheConfig.mode,
         help="exact: load misses first (stock output); skip: compute without them",
     )
     g.add_argument(
-        "--policy", choices=sorted(POLICIES), default=CacheConfig.policy, help="eviction policy"
+        "--policy",
+        choices=sorted(POLICIES),
+        default=ExpertCacheConfig.policy,
+        help="eviction policy",
     )
     g.add_argument(
         "--prefetch",
@@ -191,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_capacity,
         nargs="+",
         default=[0.25, 0.5, 0.75],
-        help="shares or counts of resident experts per layer",
+        help="resident experts per layer, each a share with a decimal point (0.5) or a "
+        "count without one (16)",
     )
     s.add_argument(
         "--policies",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -11,26 +12,39 @@ from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.policies import POLICIES
 
 MODES = ("exact", "skip")
+# The share of each layer's experts kept resident when neither capacity nor
+# capacity_share is given.
+DEFAULT_CAPACITY_SHARE = 0.5
 
 
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
+def _is_float(v) -> bool:
+    return isinstance(v, (float, np.floating))
+
+
 @dataclass
-class CacheConfig:
+class ExpertCacheConfig:
     """How many experts stay resident and how misses are handled.
 
-    ``capacity``: a float in (0, 1] is a share of each layer's experts; an int is a count
-    per layer; a sequence gives one count per MoE layer (adaptive capacity, see
-    :func:`moe_expert_cache.profile.adaptive_capacity`).
+    Give at most one of ``capacity`` and ``capacity_share``; with neither, half of each
+    layer's experts are resident (``capacity_share=0.5``).
+    ``capacity``: an int, the experts resident in each MoE layer; or a sequence, one count
+    per MoE layer (adaptive capacity, see :func:`moe_expert_cache.profile.adaptive_capacity`).
+    A float here is deprecated: it is read as ``capacity_share`` with a
+    ``DeprecationWarning``.
+    ``capacity_share``: a number in (0, 1], the share of each MoE layer's experts resident,
+    rounded to the nearest count (``capacity_share=1`` keeps every expert, ``capacity=1``
+    one).
     ``mode``: ``exact`` loads misses before the layer computes (stock output); ``skip``
     computes without them and loads them between tokens.
     ``pinned``: MoE layer number -> experts that never leave. ``initial``: MoE layer number
     -> experts to load first (a warm start). ``max_layer_updates``: at most this many layers
     swap per between-token update; ``max_swaps_per_layer``: at most this many swaps each
     (``None``: no limit). ``num_experts`` / ``top_k``: when set (a warm start from a saved
-    state, see :func:`moe_expert_cache.config_from_state`), the model must have exactly
+    state, see :func:`moe_expert_cache.manager.config_from_state`), the model must have exactly
     these experts per MoE layer and this top-k.
     ``prefetch``: speculative prefetch (exact mode only, see
     :mod:`moe_expert_cache.prefetch`): before each MoE layer after the first runs its
@@ -42,7 +56,8 @@ class CacheConfig:
     Needs an untied float embedding; the output stays the stock model's.
     """
 
-    capacity: float | int | Sequence[int] = 0.5
+    capacity: int | Sequence[int] | None = None
+    capacity_share: float | None = None
     mode: str = "exact"
     policy: str = "lcp"
     pinned: Mapping[int, Sequence[int]] = field(default_factory=dict)
@@ -70,13 +85,7 @@ class CacheConfig:
             )
         if self.policy not in POLICIES:
             raise ExpertCacheError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        c = self.capacity
-        if isinstance(c, (bool, str, bytes)) or not isinstance(c, (int, float, Sequence)):
-            raise ExpertCacheError(f"capacity must be a float share, an int or a list, got {c!r}")
-        if isinstance(c, float) and not 0.0 < c <= 1.0:
-            raise ExpertCacheError(f"capacity as a share must be in (0, 1], got {c}")
-        if isinstance(c, Sequence) and not all(_is_int(n) for n in c):
-            raise ExpertCacheError(f"per-layer capacity must be a list of ints, got {c!r}")
+        self._check_capacity()
         for name in ("max_layer_updates", "max_swaps_per_layer", "top_k"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
@@ -115,20 +124,72 @@ class CacheConfig:
                 f"the saved state is for top_k={self.top_k}, the model routes top_k={top_k}"
             )
         c = self.capacity
-        if isinstance(c, Sequence):
+        if c is None:
+            share = DEFAULT_CAPACITY_SHARE if self.capacity_share is None else self.capacity_share
+            given = f"capacity_share={share!r}"
+            caps = [round(share * e) for e in num_experts]
+        elif isinstance(c, Sequence):
             if len(c) != len(num_experts):
                 raise ExpertCacheError(
                     f"capacity lists {len(c)} layers, the model has {len(num_experts)} MoE layers"
                 )
-            caps = list(c)
-        elif isinstance(c, float):
-            caps = [round(c * e) for e in num_experts]
+            given, caps = f"capacity={list(c)!r}", [int(n) for n in c]
         else:
-            caps = [c] * len(num_experts)
+            given, caps = f"capacity={c!r}", [int(c)] * len(num_experts)
         for i, (cap, e) in enumerate(zip(caps, num_experts, strict=True)):
             if not top_k <= cap <= e:
                 raise ExpertCacheError(
-                    f"capacity {c!r} gives {cap} experts in MoE layer {i}; expected between "
+                    f"{given} gives {cap} experts in MoE layer {i}; expected between "
                     f"top_k={top_k} and num_experts={e}"
                 )
         return caps
+
+    def _check_capacity(self) -> None:
+        """At most one of ``capacity`` (a count) and ``capacity_share`` (a share); a float
+        ``capacity`` (the share before 0.9) moves to ``capacity_share`` with a warning."""
+        c, share = self.capacity, self.capacity_share
+        if _is_float(c):
+            if share is not None:
+                raise ExpertCacheError(
+                    f"give capacity (experts per layer) or capacity_share (a share of each "
+                    f"layer's experts), not both: got capacity={c!r}, capacity_share={share!r}"
+                )
+            warnings.warn(
+                f"a float capacity is a share: pass capacity_share={c!r} instead of "
+                f"capacity={c!r} (capacity is now an int count of experts per layer)",
+                DeprecationWarning,
+                stacklevel=4,  # _check_capacity, __post_init__, __init__, the caller
+            )
+            c, share = None, c
+        if c is not None and share is not None:
+            raise ExpertCacheError(
+                f"give capacity (experts per layer) or capacity_share (a share of each "
+                f"layer's experts), not both: got capacity={c!r}, capacity_share={share!r}"
+            )
+        if c is not None and not _is_int(c):
+            if isinstance(c, (str, bytes)) or not isinstance(c, Sequence):
+                raise ExpertCacheError(
+                    f"capacity must be an int (experts per layer) or a list of ints (one per "
+                    f"MoE layer), got {c!r}; for a share of each layer's experts use "
+                    f"capacity_share"
+                )
+            if not all(_is_int(n) for n in c):
+                raise ExpertCacheError(f"per-layer capacity must be a list of ints, got {c!r}")
+        if share is not None:
+            if not (_is_float(share) or _is_int(share)) or not 0.0 < share <= 1.0:
+                raise ExpertCacheError(f"capacity_share must be a number in (0, 1], got {share!r}")
+            share = float(share)
+        self.capacity, self.capacity_share = c, share
+
+
+def __getattr__(name: str):
+    # CacheConfig was renamed in 0.9.0 (paired-cache has its own PairedCacheConfig); the
+    # old name still works from this module, with a warning.
+    if name == "CacheConfig":
+        warnings.warn(
+            "moe_expert_cache.config.CacheConfig is deprecated; use ExpertCacheConfig",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ExpertCacheConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from moe_expert_cache.block_registry import BLOCKS, supported_model_types
 from moe_expert_cache.cached_layers import check_projection, cut_to_slots
-from moe_expert_cache.config import CacheConfig
+from moe_expert_cache.config import ExpertCacheConfig
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.expert_store import PROJECTIONS, ExpertStore
 from moe_expert_cache.layer_cache import LayerCache
@@ -81,7 +81,9 @@ def _check_expert_shapes(stock: nn.Module, infos: dict[str, TensorInfo], where: 
             )
 
 
-def patch_model(model: nn.Module, store: ExpertStore, config: CacheConfig) -> ExpertCacheManager:
+def patch_model(
+    model: nn.Module, store: ExpertStore, config: ExpertCacheConfig
+) -> ExpertCacheManager:
     """Replace every MoE block of ``model`` with its cached version and fill the caches."""
     found = find_moe_blocks(model)
     if not found:
@@ -196,9 +198,12 @@ def _is_float(a: mx.array) -> bool:
     return mx.issubdtype(a.dtype, mx.floating)
 
 
-def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) -> CachedModel:
+def load_cached_model(
+    model_dir: str | Path, config: ExpertCacheConfig | None = None
+) -> CachedModel:
     """Load ``model_dir`` (mlx-lm layout: ``config.json`` + ``model*.safetensors``) with
-    only ``config.capacity`` experts per MoE layer resident.
+    only ``config.capacity`` experts (or ``config.capacity_share`` of them; by default
+    half) per MoE layer resident.
 
     Non-expert weights are read and materialised (except the input embedding table with
     ``config.map_embeddings``, which stays in the shard's memory map); expert tensors are
@@ -206,7 +211,7 @@ def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) 
     :class:`ExpertCacheError` (a ``ValueError``) for a damaged or inconsistent shard or
     ``config.json``, a model without MoE layers or a bad capacity.
     """
-    config = config or CacheConfig()
+    config = config or ExpertCacheConfig()
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
@@ -219,7 +224,7 @@ def load_cached_model(model_dir: str | Path, config: CacheConfig | None = None) 
         raise
 
 
-def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: CacheConfig):
+def _load(model_dir: Path, cfg_path: Path, store: ExpertStore, config: ExpertCacheConfig):
     data = cfg_path.read_bytes()
     store.check_file("config.json", data)
     model_config = read_model_config(cfg_path, data, supported_model_types(), store._infos)

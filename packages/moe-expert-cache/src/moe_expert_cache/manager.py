@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from moe_expert_cache.checked_json import dumps_checksummed, is_int, loads_checksummed, write_atomic
-from moe_expert_cache.config import CacheConfig
+from moe_expert_cache.config import ExpertCacheConfig
 from moe_expert_cache.errors import ExpertCacheError
 from moe_expert_cache.layer_cache import LayerCache, LayerMetrics
 from moe_expert_cache.trace import RouterTrace
@@ -34,7 +34,7 @@ class ExpertCacheManager:
     def __init__(
         self,
         layers: list[LayerCache],
-        config: CacheConfig,
+        config: ExpertCacheConfig,
         top_k: int,
         vocab_size: int | None = None,
         prefetch: SpeculativePrefetch | None = None,
@@ -196,12 +196,13 @@ def read_state(path: str | Path) -> dict:
     return state
 
 
-def config_from_state(config: CacheConfig, state: dict) -> CacheConfig:
+def config_from_state(config: ExpertCacheConfig, state: dict) -> ExpertCacheConfig:
     """``config`` warm-started from ``state``: same capacities, residents and pins (the
     model must have the state's experts per layer and top-k)."""
     return replace(
         config,
         capacity=[len(r) for r in state["resident"]],
+        capacity_share=None,
         pinned=dict(enumerate(state["pinned"])),
         initial=dict(enumerate(state["resident"])),
         num_experts=state["num_experts"],

@@ -1,4 +1,5 @@
-"""The input embedding table left in the mmap'd shard (``CacheConfig(map_embeddings=True)``).
+"""The input embedding table left in the mmap'd shard
+(``ExpertCacheConfig(map_embeddings=True)``).
 
 A decoder reads one embedding row per token, but mlx-lm materialises the whole table: on
 the MoEfied SmolLM2 that is 49,152 x 576 float32, 108 MiB of anonymous memory (MLX's CPU

@@ -26,14 +26,14 @@ def moe_checkpoint() -> Path:
 def moe_expert_cache_row() -> Row:
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from moe_expert_cache import CacheConfig, generate, load_cached_model
+    from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
 
     path = moe_checkpoint()
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True
     )
-    cached = load_cached_model(path, CacheConfig(capacity=0.5, mode="exact"))
+    cached = load_cached_model(path, ExpertCacheConfig(capacity_share=0.5, mode="exact"))
     read = storage_read_bytes()
     result = generate(cached.model, prompt, NEW_TOKENS, cached.manager)
     read = storage_read_bytes() - read
