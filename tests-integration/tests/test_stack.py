@@ -10,6 +10,9 @@ Invariants, over random prompts (hypothesis):
 - stacking in the other order (zstd-linear compresses the plain model first, then
   paired-cache sparsifies it, its rows copied into pools) gives the same model: the same
   bound against plain, the same argmax;
+- over a compressed pool (each row a zstd frame), with every MLP's gate_proj compressed
+  by zstd-linear in the SparseMLP's place, the same bound and argmax (and the gate is
+  zstd-linear's layer);
 - a step the packages cannot combine (a .zlin that names MLP layers paired-cache has
   replaced) is refused by zstd-linear before the model changes.
 """
@@ -22,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bmrt_kv import BMRTCache, BMRTConfig
-from membound_integration.stack import MLP_GLOB, load_stacked
+from membound_integration.stack import MLP_GLOB, ROWS_GLOBS, load_stacked
 from membound_testing.families import VOCAB, tiny_model
 from paired_cache import SparseMLP, convert, sparsify_model
 from zstd_linear import CompressedFileError, CompressedLinear, compress_model, save_compressed
@@ -98,6 +101,25 @@ def test_lossless_stack_with_bmrt_kv_gives_plain_tokens(stacked, seed, length):
                 ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False
             )
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, tmp_path):
+    plain = tiny_model(family)
+    plain.save_pretrained(tmp_path / "dense")
+    convert(tmp_path / "dense", tmp_path / "mlp.pcpool", compress=True, progress=False)
+    model = tiny_model(family)
+    compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
+    save_compressed(model, tmp_path / "rest.zlin")
+    stacked = load_stacked(
+        tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin", "cats", 1.0
+    )
+    assert all(isinstance(layer.mlp.gate_proj, CompressedLinear) for layer in stacked.model.layers)
+    for seed, length in ((0, 1), (1, 9), (2, 17)):
+        ids = _ids(seed, length)
+        ref, got = _logits(plain, ids), _logits(stacked, ids)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 def test_refused_step_leaves_the_model_unchanged(stacked):

@@ -5,12 +5,16 @@ takes the model the other left:
 
 1. ``paired_cache.load_sparse`` builds the model from storage: every MLP a SparseMLP over
    the rows of a pool file, mapped (``rows="in_place"``: each token multiplies its
-   predicted rows where they lie), every other weight a view of the mapped safetensors.
+   predicted rows where they lie; a compressed pool, ``convert(..., compress=True)``,
+   holds each row as a zstd frame and a token decompresses its picked rows only), every
+   other weight a view of the mapped safetensors. The SparseMLP keeps the gate as its own
+   ``gate_proj`` Linear, which the mask source calls.
 2. ``zstd_linear.load_compressed(path, model)`` replaces every nn.Linear the .zlin file
-   names (the attention projections) and the embedding (with the lm_head tied to it) by
-   their compressed forms, still file-backed. The file is written without the MLPs
-   (``compress_model(model, exclude="*.mlp.*", embeddings=True)``): the rows are
-   paired-cache's.
+   names and the embedding (with the lm_head tied to it) by their compressed forms, still
+   file-backed: the attention projections and, with ``gate=True``, each SparseMLP's
+   gate_proj (the gated mask sources read the whole gate every token, so it is read
+   compressed). The file is written without the rows the pool holds
+   (``compress_model(model, exclude=ROWS_GLOBS, embeddings=True)``, or :func:`write_rest_zlin`).
 3. ``bmrt_kv.BMRTCache`` bounds the KV cache of that model's attention.
 
 Nothing of the model is copied into anonymous memory but the mask sources' predictors,
@@ -26,24 +30,31 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-MLP_GLOB = "*.mlp.*"
+MLP_GLOB = "*.mlp.*"  # every MLP layer: the .zlin of a stack whose pool holds the gate
+ROWS_GLOBS = ("*.mlp.up_proj", "*.mlp.down_proj")  # what a gate-less pool holds
 
 
-def write_rest_zlin(full: str | os.PathLike, path: str | os.PathLike) -> Path:
-    """Cut the .zlin file of every layer but the MLPs' from a file of the whole model, with
-    zstd-linear's own reader and writer (no re-encoding; written atomically).
+def write_rest_zlin(full: str | os.PathLike, path: str | os.PathLike, gate: bool = True) -> Path:
+    """Cut the .zlin file of every layer but the pool's rows from a file of the whole
+    model, with zstd-linear's own reader and writer (no re-encoding; written atomically).
 
     Args:
         full: a .zlin file written by ``save_compressed`` of the whole model.
-        path: where to write the file without the MLP layers.
+        path: where to write the cut file.
+        gate: keep the MLPs' gate_proj layers (for a gate-less or compressed pool, whose
+            SparseMLPs hold the gate as their ``gate_proj`` Linear); False drops every MLP
+            layer.
 
     Returns:
         ``path``.
     """
     from zstd_linear.fileformat import read_file, write_file
 
+    def kept(name: str) -> bool:
+        return ".mlp." not in name or (gate and name.endswith(".mlp.gate_proj"))
+
     entries = read_file(full)
-    write_file(path, [e for e in entries if ".mlp." not in e[0]])
+    write_file(path, [e for e in entries if kept(e[0])])
     return Path(path)
 
 
@@ -56,6 +67,7 @@ def load_stacked(
     *,
     policy: str = "per_pass_prefetch",
     predictor: str | os.PathLike | None = None,
+    keep_cached: int | str | None = "auto",
     **policy_options,
 ):
     """The model of ``model_dir`` with its MLPs sparse over ``pool`` and every other Linear
@@ -64,13 +76,15 @@ def load_stacked(
     Args:
         model_dir: a transformers checkpoint (config.json and safetensors).
         pool: its pool file (``paired_cache.convert``).
-        zlin: its .zlin file without MLP layers (``compress_model(..., exclude="*.mlp.*",
-            embeddings=True)`` then ``save_compressed``, or :func:`write_rest_zlin`).
+        zlin: its .zlin file without the pool's rows (``compress_model(...,
+            exclude=ROWS_GLOBS, embeddings=True)`` then ``save_compressed``, or
+            :func:`write_rest_zlin`).
         source: paired-cache's mask source; "trained" needs ``predictor``.
         fraction: the share of MLP rows each token reads, in (0, 1].
         policy: zstd-linear's policy name; ``policy_options`` go to it (``memory_limit=
             "auto"`` for "budget").
         predictor: the predictor file of ``source="trained"``.
+        keep_cached: ``load_sparse``'s (what each token reads in full that stays cached).
 
     Returns:
         The model, in eval mode.
@@ -79,6 +93,8 @@ def load_stacked(
     from paired_cache import load_sparse
 
     options = {} if predictor is None else {"predictor": predictor}
-    model = load_sparse(model_dir, pool, source, fraction, rows="in_place", **options)
+    model = load_sparse(
+        model_dir, pool, source, fraction, rows="in_place", keep_cached=keep_cached, **options
+    )
     zstd_linear.load_compressed(zlin, model, policy, **policy_options)
     return model

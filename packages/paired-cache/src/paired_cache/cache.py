@@ -143,6 +143,11 @@ class PairedCache:
 
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
+        if pool_file.compressed:
+            raise PairedCacheError(
+                f"{pool_file.path} is a compressed pool: its rows are zstd frames, which a "
+                f"PairedCache cannot map (CompressedSparseMLP reads them in place)"
+            )
         index = pool_file.resolve(layer)
         spec = pool_file.layers[index]
         self = cls.__new__(cls)

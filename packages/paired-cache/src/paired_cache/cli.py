@@ -26,7 +26,14 @@ PROG = "paired-cache"
 def cmd_convert(args: argparse.Namespace) -> int:
     from paired_cache.model_io import convert
 
-    layers = convert(args.source, args.out, gate=not args.no_gate, progress=not args.quiet)
+    layers = convert(
+        args.source,
+        args.out,
+        gate=not (args.no_gate or args.compress),
+        progress=not args.quiet,
+        compress=args.compress,
+        compress_level=args.compress_level,
+    )
     total = sum(layer.nbytes for layer in layers)
     print(f"{args.out}: {len(layers)} MLP pools, {total / 2**20:.1f} MiB")
     return 0
@@ -129,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rows of up | down_T only, a third smaller: for load_sparse with a source that "
         "computes act(gate x) from gate_proj in the safetensors (cats, the gated predictor)",
+    )
+    conv.add_argument(
+        "--compress",
+        action="store_true",
+        help="a compressed pool: no gate, one zstd frame per row of up | down_T, read in "
+        "place by load_sparse (cats, the gated predictor)",
+    )
+    conv.add_argument(
+        "--compress-level", type=int, default=19, help="the zstd level of --compress, 1 to 22"
     )
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)

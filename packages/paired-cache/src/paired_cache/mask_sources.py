@@ -122,6 +122,10 @@ class MaskSource(ABC):
     per_token: bool = True
     needs_calibration: bool = False
     gives_gate: bool = False
+    # x (hidden,) -> gate x (N,): how a source that gives the gate computes it. None: its
+    # own gate tensor; SparseMLP sets it to call its gate_proj child, so that a module put
+    # in that child's place (another package's compressed linear) computes it.
+    gate_product: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def gives_gate_for(cls, **options) -> bool:
@@ -133,6 +137,12 @@ class MaskSource(ABC):
         self.n_rows = n_rows
         self.fraction = fraction
         self.k = active_rows(fraction, n_rows)
+
+    def gate_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (hidden,) -> (N,) gate x, through gate_product when set, else self.gate."""
+        if self.gate_product is not None:
+            return self.gate_product(x)
+        return self.gate @ x.to(self.gate.dtype)
 
     @abstractmethod
     def select(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,7 +225,7 @@ class CatsMask(MaskSource):
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """x: (hidden,) -> (N,) act(gate x), the scores' source and what SparseMLP reuses."""
-        return self.act(self.gate @ x.to(self.gate.dtype))
+        return self.act(self.gate_x(x))
 
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate = self.activation(x)  # (N,)

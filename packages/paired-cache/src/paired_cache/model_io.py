@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paired_cache.compressed_mlp import CompressedSparseMLP
+from paired_cache.compressed_pool import DEFAULT_LEVEL, check_level
 from paired_cache.config import PairedCacheConfig
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import active_rows
@@ -149,18 +151,40 @@ class _Progress:
 
 
 def convert(
-    source: str | os.PathLike, out: str | os.PathLike, *, gate: bool = True, progress: bool = True
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    gate: bool | None = None,
+    progress: bool = True,
+    compress: bool = False,
+    compress_level: int = DEFAULT_LEVEL,
 ):
     """Write every gated MLP of the model at source into the pool file out; returns its
-    PoolLayer list. Nothing is left at out when it fails.
+    PoolLayer list (CompressedLayer with compress). Nothing is left at out when it fails.
 
     gate=False writes rows of up | down_T only (gate_cols 0): a third smaller for a
     SwiGLU MLP, for load_sparse with a mask source that computes act(gate x) itself
     ("cats", "trained" with the gated predictor) from gate_proj mapped from the model's
     safetensors. Every row a token reads, and every layer the in-place read-ahead asks
-    for, is then the bytes the kernel multiplies and nothing else."""
+    for, is then the bytes the kernel multiplies and nothing else. None (the default):
+    True, or False with compress.
+
+    compress=True writes a compressed pool (format 2): no gate, and each neuron's up |
+    down_T row as one zstd frame (compress_level in [1, 22], 3 by default),
+    which load_sparse reads in place (rows="in_place") with cats or the gated predictor,
+    decompressing a token's picked rows only."""
+    if not isinstance(compress, bool):
+        raise PairedCacheError(f"compress must be a bool, got {compress!r}")
+    check_level(compress_level)
+    if gate is None:
+        gate = not compress
     if not isinstance(gate, bool):
         raise PairedCacheError(f"gate must be a bool, got {gate!r}")
+    if gate and compress:
+        raise PairedCacheError(
+            "gate=True with compress=True: a compressed pool holds no gate (the mask source "
+            "reads gate_proj from the safetensors); leave gate unset"
+        )
     source = Path(source)
     if not source.exists():
         raise PairedCacheError(f"{source} does not exist")
@@ -172,7 +196,9 @@ def convert(
     layers = iter_mlp_weights(source)
     if not gate:
         layers = ((name, g[:, :0], up, down) for name, g, up, down in layers)
-    return write_pool_file(out, layers, progress=bar)
+    return write_pool_file(
+        out, layers, progress=bar, compress_level=compress_level if compress else None
+    )
 
 
 def save_dense(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> Path:
@@ -311,7 +337,8 @@ def load_sparse(
 
     Args:
         model_dir: a model directory, config.json and *.safetensors (save_dense writes one).
-        pool_path: the pool file convert wrote from it, with or without the gate.
+        pool_path: the pool file convert wrote from it, with or without the gate, or
+            compressed (then rows="in_place" and a source that computes act(gate x)).
         source: a MASK_SOURCES name whose build needs no calibration inputs ("cats",
             "oracle", or "trained" with predictor=PATH, a file of
             paired_cache.trained_predictor.save_predictors).
@@ -347,6 +374,11 @@ def load_sparse(
     model_dir = _model_dir(model_dir)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     pools = PoolFile(pool_path)
+    if pools.compressed and load.rows != "in_place":
+        raise PairedCacheError(
+            f"rows={load.rows!r} (window={load.window}): {pool_path} is a compressed pool, "
+            f"read in place only; use rows='in_place' (window 1), or an uncompressed pool"
+        )
     maps = [SafetensorsMap(p, random_access=load.read_ahead) for p in _safetensors_files(model_dir)]
     where = {name: m for m in maps for name in m.entries}
     _check_dtype(where, pools, pool_path, model_dir)
@@ -446,7 +478,8 @@ def _put_sparse_mlp(
             gate = gate[: gate.shape[0] // 2] if suffix == FUSED_SUFFIXES[0] else gate
             used.add(gate_key)
             break
-    sparse = SparseMLP.from_pool_file(
+    build = CompressedSparseMLP if pools.compressed else SparseMLP
+    sparse = build.from_pool_file(
         pools,
         name,
         activation(mlp, mlp_layout(mlp)),

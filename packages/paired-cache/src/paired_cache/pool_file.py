@@ -10,6 +10,12 @@ Layout (format 1), little-endian:
                       gate_cols, up_cols, hidden, row_bytes, offset, sha256 of the pool bytes)
     last 48 bytes     u64 header length | sha256 of the header (32 bytes) | the magic again
 
+Format 2, a compressed pool (write_pool_file's compress_level): the same magic, header
+and trailer; each layer (page-aligned, nbytes long) holds no gate, and its rows are zstd
+frames behind a table of their offsets (paired_cache.compressed_pool); the header also
+records the codec ({"name": "zstd", "level": ...}) and each layer's nbytes in
+place of row_bytes.
+
 The header sits at the end so that the pools can be streamed out layer by layer. Opening
 checks the trailer, the header's checksum, every field's type and range, and that every pool
 lies inside the file, before mapping anything; the pools' own sha256 are checked only by
@@ -32,10 +38,19 @@ import torch
 
 from paired_cache._core import lib
 from paired_cache._pages import MappedPages
+from paired_cache.compressed_pool import (
+    CODEC,
+    CompressedLayer,
+    FrameReader,
+    check_level,
+    encode_layer,
+    read_offsets,
+)
 from paired_cache.errors import PairedCacheError
 
 MAGIC = b"PCPOOL\x00\x01"
 FORMAT_VERSION = 1
+COMPRESSED_FORMAT_VERSION = 2
 PAGE = 4096
 TRAILER = struct.Struct("<Q32s8s")
 DTYPES = {
@@ -100,13 +115,19 @@ def write_pool_file(
     layers: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
     *,
     progress: Callable[[str], None] | None = None,
-) -> list[PoolLayer]:
+    compress_level: int | None = None,
+) -> list[PoolLayer] | list[CompressedLayer]:
     """Write (name, gate (N, h), up (N, h), down (h_out, N)) of each MLP into a pool file.
 
     Every layer has one dtype among float32, float16, bfloat16, float64; a gate
     of shape (N, 0) stands for an MLP without one. The file is written to a
     temporary name beside path and renamed: a failure leaves no file at path.
+    compress_level: None writes format 1 (rows as the C core reads them); a zstd level
+    in [1, 22] writes format 2, one compressed frame per row of up | down_T (every gate
+    must then be (N, 0): a compressed pool holds none).
     """
+    if compress_level is not None:
+        check_level(compress_level)
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     written: list[PoolLayer] = []
@@ -119,6 +140,11 @@ def write_pool_file(
                     dtype = up.dtype
                 _check_layer(name, gate, up, down, dtype)
                 n, g, u, hidden = up.shape[0], gate.shape[1], up.shape[1], down.shape[0]
+                if compress_level is not None:
+                    written.append(_write_compressed(f, name, gate, up, down, compress_level))
+                    if progress is not None:
+                        progress(name)
+                    continue
                 stride = row_stride(g, u, hidden, up.element_size())
                 offset = -(-f.tell() // PAGE) * PAGE
                 f.write(bytes(offset - f.tell()))
@@ -133,13 +159,15 @@ def write_pool_file(
                     progress(name)
             if not written:
                 raise PairedCacheError("no MLP layers to write")
-            header = json.dumps(
-                {
-                    "format_version": FORMAT_VERSION,
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "layers": [vars(layer) for layer in written],
-                }
-            ).encode()
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "dtype": str(dtype).removeprefix("torch."),
+                "layers": [vars(layer) for layer in written],
+            }
+            if compress_level is not None:
+                meta["format_version"] = COMPRESSED_FORMAT_VERSION
+                meta["codec"] = {"name": CODEC, "level": compress_level}
+            header = json.dumps(meta).encode()
             f.write(header)
             f.write(TRAILER.pack(len(header), hashlib.sha256(header).digest(), MAGIC))
             f.flush()
@@ -150,6 +178,29 @@ def write_pool_file(
         Path(tmp).unlink(missing_ok=True)
         raise
     return written
+
+
+def _write_compressed(f, name, gate, up, down, level) -> CompressedLayer:
+    """Write one layer's frame offsets and frames at the next page of f."""
+    if gate.shape[1]:
+        raise PairedCacheError(
+            f"{name}: a compressed pool holds no gate (the mask source reads gate_proj from "
+            f"the safetensors); pass a gate of shape (N, 0)"
+        )
+    offset = -(-f.tell() // PAGE) * PAGE
+    f.write(bytes(offset - f.tell()))
+    data, _ = encode_layer(up, down, level)
+    f.write(data)
+    return CompressedLayer(
+        name,
+        up.shape[0],
+        0,
+        up.shape[1],
+        down.shape[0],
+        offset,
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+    )
 
 
 def _check_layer(name, gate, up, down, dtype) -> None:
@@ -214,11 +265,23 @@ class PoolFile(MappedPages):
             meta = json.loads(header)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PairedCacheError(f"{self.path}: header is not JSON ({exc})") from None
-        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        versions = (FORMAT_VERSION, COMPRESSED_FORMAT_VERSION)
+        if not isinstance(meta, dict) or meta.get("format_version") not in versions:
             raise PairedCacheError(
                 f"{self.path}: format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}"
-                f", expected {FORMAT_VERSION}"
+                f", expected one of {versions}"
             )
+        # codec: None for format 1, else {"name": CODEC, "level": int}.
+        self.codec = None
+        if meta["format_version"] == COMPRESSED_FORMAT_VERSION:
+            codec = meta.get("codec")
+            if not isinstance(codec, dict) or codec.get("name") != CODEC:
+                raise PairedCacheError(
+                    f"{self.path}: format_version {COMPRESSED_FORMAT_VERSION} with codec "
+                    f"{codec!r:.80}; expected {{'name': {CODEC!r}, 'level': 1..22}}"
+                )
+            check_level(codec.get("level"))
+            self.codec = codec
         if meta.get("dtype") not in DTYPES:
             raise PairedCacheError(
                 f"{self.path}: dtype {meta.get('dtype')!r}; expected one of {sorted(DTYPES)}"
@@ -227,12 +290,16 @@ class PoolFile(MappedPages):
         raw_layers = meta.get("layers")
         if not isinstance(raw_layers, list) or not raw_layers:
             raise PairedCacheError(f"{self.path}: header has no layers")
-        self.layers: list[PoolLayer] = []
+        self.layers: list[PoolLayer] | list[CompressedLayer] = []
+        self._frames: list[FrameReader] = []
         for raw in raw_layers:
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise PairedCacheError(f"{self.path}: layer entry {raw!r:.80} has no name")
             if not isinstance(raw.get("sha256"), str) or len(raw["sha256"]) != 64:
                 raise PairedCacheError(f"{self.path}: layer {raw['name']} has no sha256")
+            if self.codec is not None:
+                self._add_compressed(raw, header_start)
+                continue
             n = _field(raw, "n_rows", 1, MAX_DIM)
             g = _field(raw, "gate_cols", 0, MAX_DIM)
             u = _field(raw, "up_cols", 1, MAX_DIM)
@@ -251,6 +318,42 @@ class PoolFile(MappedPages):
                 )
             self.layers.append(PoolLayer(raw["name"], n, g, u, h, stride, offset, raw["sha256"]))
         self._by_name = {layer.name: i for i, layer in enumerate(self.layers)}
+
+    def _add_compressed(self, raw: dict, header_start: int) -> None:
+        """Check and add one format-2 layer, its frame offsets read and checked."""
+        n = _field(raw, "n_rows", 1, MAX_DIM)
+        _field(raw, "gate_cols", 0, 0)
+        u = _field(raw, "up_cols", 1, MAX_DIM)
+        h = _field(raw, "hidden", 1, MAX_DIM)
+        offset = _field(raw, "offset", len(MAGIC), header_start)
+        nbytes = _field(raw, "nbytes", 0, header_start)
+        if offset % PAGE or offset + nbytes > header_start:
+            raise PairedCacheError(
+                f"{self.path}: layer {raw['name']} at offset {offset} ({nbytes} bytes) is not "
+                f"page-aligned or runs past the pools' end ({header_start})"
+            )
+        layer = CompressedLayer(raw["name"], n, 0, u, h, offset, nbytes, raw["sha256"])
+        data = memoryview(self._mmap)[offset : offset + nbytes]
+        try:
+            offsets = read_offsets(data, layer)
+        except PairedCacheError as exc:
+            raise PairedCacheError(f"{self.path}: {exc}") from None
+        frames = data[layer.table_bytes :]
+        self._frames.append(
+            FrameReader(frames, offsets, offset + layer.table_bytes, u, h, self.dtype)
+        )
+        self.layers.append(layer)
+
+    @property
+    def compressed(self) -> bool:
+        """True for a format-2 pool: zstd frames, read by frame_reader, no gate."""
+        return self.codec is not None
+
+    def frame_reader(self, layer: int | str) -> FrameReader:
+        """The FrameReader of a compressed pool's layer (PairedCacheError for format 1)."""
+        if not self.compressed:
+            raise PairedCacheError(f"{self.path} is not a compressed pool (format 1)")
+        return self._frames[self.resolve(layer)]
 
     def index(self, name: str) -> int:
         if name not in self._by_name:
@@ -289,16 +392,20 @@ class PoolFile(MappedPages):
 
     def row_runs(self, i: int | str, rows) -> list[tuple[int, int]]:
         """(begin, end) byte ranges of the file covering layer i's ``rows`` (ascending row
-        indices), consecutive rows as one range and ranges less than a page apart merged
+        indices; in a compressed pool, their frames), consecutive rows as one range and ranges less than a page apart merged
         (they would read the pages between them anyway)."""
         import numpy as np
 
-        layer = self.layers[self.resolve(i)]
+        i = self.resolve(i)
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
             return []
-        begins = layer.offset + rows * layer.row_bytes
-        ends = begins + layer.row_bytes
+        if self.compressed:  # each row's frame
+            begins, ends = self._frames[i].byte_runs(rows)
+        else:
+            layer = self.layers[i]
+            begins = layer.offset + rows * layer.row_bytes
+            ends = begins + layer.row_bytes
         # A new range wherever the gap to the previous row's end is a page or more.
         breaks = np.flatnonzero(begins[1:] - ends[:-1] >= PAGE) + 1
         starts = np.concatenate(([0], breaks))
@@ -351,6 +458,7 @@ def process_rss() -> dict[str, int]:
 
 
 __all__ = [
+    "COMPRESSED_FORMAT_VERSION",
     "FORMAT_VERSION",
     "PoolFile",
     "PoolLayer",

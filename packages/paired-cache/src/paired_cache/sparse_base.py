@@ -54,16 +54,21 @@ class CachedMLP(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         raise PairedCacheError(f"{prefix.rstrip('.') or type(self).__name__}: {SAVE_REFUSED}")
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the MLP's weights are held in (and its inputs computed in)."""
+        return self.cache.dtype
+
     def check_move(self, fn) -> None:
         """Refuse a Module._apply function (.to, .half, .cuda, ...) that would change the
         dtype or device of a tensor: the cache's C buffers cannot follow it."""
-        probe = torch.zeros(1, dtype=self.cache.dtype)
+        probe = torch.zeros(1, dtype=self.weight_dtype)
         moved = fn(probe)
         if isinstance(moved, torch.Tensor) and (
             moved.dtype != probe.dtype or moved.device != probe.device
         ):
             raise PairedCacheError(
-                f"a {type(self).__name__}'s weights are {self.cache.dtype} CPU memory in its "
+                f"a {type(self).__name__}'s weights are {self.weight_dtype} CPU memory in its "
                 f"paired cache and cannot become {moved.dtype} on {moved.device}: move or "
                 f"convert the dense model before sparsify_model, or load_sparse a pool file "
                 f"converted from a checkpoint in that dtype"

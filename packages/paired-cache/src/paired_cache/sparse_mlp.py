@@ -221,6 +221,12 @@ class SparseMLP(CachedMLP):
         in_place = rows == "in_place"
         if not isinstance(pool_file, PoolFile):
             raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
+        if pool_file.compressed:
+            raise PairedCacheError(
+                f"{pool_file.path} is a compressed pool: build its layers with "
+                f"paired_cache.compressed_mlp.CompressedSparseMLP.from_pool_file (load_sparse "
+                f"does)"
+            )
         index = pool_file.resolve(layer)
         spec = pool_file.layers[index]
         gate_cols = spec.gate_cols or spec.up_cols  # a gate-less pool's gate is up-sized
@@ -268,8 +274,35 @@ class SparseMLP(CachedMLP):
             prefill=prefill,
             gate=gate if spec.gate_cols == 0 else None,
         )
+        if gate is not None:
+            sparse.use_gate_proj(gate)
         sparse._will_read_pool = functools.partial(pool_file.will_need, index)
         return sparse
+
+    def use_gate_proj(self, gate: torch.Tensor) -> None:
+        """Expose gate ((N, hidden), e.g. gate_proj.weight mapped from the safetensors) as
+        the bias-free nn.Linear child gate_proj, whose weight is gate itself (no copy).
+
+        The mask source (when it computes act(gate x)) and a dense prefill then compute
+        gate x by calling the child found under that name at forward time, so that another
+        package may replace ``sparse_mlp.gate_proj`` by any module computing x @ W.T (a
+        compressed linear) and have it used."""
+        with torch.device("meta"):  # no weight allocated: gate takes its place
+            linear = nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
+        linear.weight = nn.Parameter(gate, requires_grad=False)
+        self.gate_proj = linear
+        if self.source.gives_gate:
+            self.source.gate_product = self._gate_product
+
+    def _gate_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (hidden,) -> (N,) gate x, through the gate_proj child this module holds now."""
+        return self.gate_proj(x.to(self.weight_dtype))
+
+    def _gate_x(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, N) gate x over every row: the gate_proj child's, if any."""
+        if "gate_proj" in self._modules:
+            return self.gate_proj(x)
+        return F.linear(x, self.gate_weight)
 
     def _in_place_forward(
         self, x: torch.Tensor, idx: torch.Tensor, gate_at: torch.Tensor | None
@@ -354,14 +387,14 @@ class SparseMLP(CachedMLP):
         none."""
         if self._will_read_pool is not None:
             self._will_read_pool()
-        h = self.act_fn(F.linear(x, self.gate_weight)) * F.linear(x, self.cache.up_pool)
+        h = self.act_fn(self._gate_x(x)) * F.linear(x, self.cache.up_pool)
         if self.in_place:
             self.pool_rows_read += self.cache.n_rows
         return h @ self.cache.down_pool_T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
+        flat = x.reshape(-1, shape[-1]).to(self.weight_dtype)  # (T, hidden)
         if flat.shape[0] > 1 and self._prefill == "dense":
             out = self._dense_forward(flat)
         elif not self.source.per_token:

@@ -271,7 +271,7 @@ class TrainedPredictor(MaskSource):
 
     def _gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gated kind's act(gate x) (N,) and predicted up x (N,) float32."""
-        gate = self.act(self.gate @ x.to(self.gate.dtype))
+        gate = self.act(self.gate_x(x))
         return gate, (x.float() @ self.proj_in) @ self.proj_out
 
     def select_with_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

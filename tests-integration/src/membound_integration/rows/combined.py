@@ -1,33 +1,68 @@
 """The three SmolLM2 packages stacked (membound_integration.stack): the model built from
-storage by paired-cache's ``load_sparse`` (every MLP a SparseMLP at 50% rows, the trained
-predictor's rows multiplied in place in the mapped pool), zstd-linear's ``load_compressed``
-of every attention projection and the tied embedding (``budget(memory_limit="auto")``, as
-the zstd-linear row), and bmrt-kv bounding the KV cache below the sequence's length.
+storage by paired-cache's ``load_sparse`` (every MLP a SparseMLP at 50% rows over a
+compressed pool: each neuron's up | down_T row one zstd frame, and a token decompresses
+the frames the trained predictor picked), zstd-linear's ``load_compressed`` of every
+attention projection, every MLP's gate (the predictor reads all of it every token) and
+the tied embedding (``budget(memory_limit="auto")``, as the zstd-linear row), and bmrt-kv
+bounding the KV cache below the sequence's length.
+
+paired-cache keeps nothing cached (``keep_cached=0``): its "auto" sizes what it keeps
+against the cgroup's room without seeing what zstd-linear decodes into the same room,
+and under ``tight`` the stack then read 364 MiB per token (float32 pool) against 334 with
+nothing kept (tests-integration/benchmarks/stack_pools.py compares them; the
+MEMBOUND_STACK_POOL / _KEEP / _POLICY variables pick the variants it measures).
 
 Nothing of the model is materialised in anonymous memory. The bounded component is what
 the three single-package rows report together: the MLP rows' bytes a token multiplies, the
-attention and embedding weights resident (compressed, plus what the policy keeps decoded),
-and the KV cache.
+attention, gate and embedding weights resident (compressed, plus what the policy keeps
+decoded), and the KV cache.
 """
 
+import os
+
 from membound_integration.row import QUESTION, Row, greedy_generate
-from membound_integration.rows.paired_cache import pool_path, predictor_path
+from membound_integration.rows.paired_cache import predictor_path
 
 FRACTION = 0.5
 BUDGET = 32
 BLOCK = 16
+# The pool the stacked row reads: "zstd" (each row a zstd frame) or "float32" (the
+# gate-less pool of the paired-cache row).
+POOL = os.environ.get("MEMBOUND_STACK_POOL", "zstd")
+# paired-cache's keep_cached: a byte count, "auto" or "none".
+_KEEP = os.environ.get("MEMBOUND_STACK_KEEP", "0")
+KEEP_CACHED = {"auto": "auto", "none": None}.get(_KEEP) if not _KEEP.isdigit() else int(_KEEP)
+# zstd-linear's policy for the attention, gates and embedding.
+POLICY = {
+    "budget": {"policy": "budget", "memory_limit": "auto"},
+    "per_pass_prefetch": {"policy": "per_pass_prefetch"},
+}[os.environ.get("MEMBOUND_STACK_POLICY", "budget")]
+
+
+def compressed_pool_path():
+    """The SmolLM2 compressed pool file (``convert(..., compress=True)``: no gate, each
+    row a zstd frame), written on first use."""
+    import paired_cache
+    from membound_testing import smollm2_float_dir
+    from paired_cache.model_io import convert
+
+    source = smollm2_float_dir()
+    path = source.parent / f"{source.name}-paired-cache-{paired_cache.__version__}-zstd.pcpool"
+    if not path.is_file():
+        convert(source, path, compress=True, progress=False)  # written atomically
+    return path
 
 
 def rest_zlin_path():
-    """The SmolLM2 .zlin file without the MLPs (attention projections and the tied
-    embedding), cut from the whole model's file."""
+    """The SmolLM2 .zlin file of the attention projections, the MLPs' gates and the tied
+    embedding, cut from the whole model's file."""
     from membound_integration.smollm2_zlin import compressed_smollm2_path
     from membound_integration.stack import write_rest_zlin
 
     full = compressed_smollm2_path()
-    path = full.with_name(full.stem + "-no-mlp.zlin")
+    path = full.with_name(full.stem + "-no-rows.zlin")
     if not path.is_file():
-        write_rest_zlin(full, path)
+        write_rest_zlin(full, path, gate=True)
     return path
 
 
@@ -37,20 +72,21 @@ def combined_row() -> Row:
     from bmrt_kv import BMRTCache, BMRTConfig
     from membound_integration.stack import load_stacked
     from membound_testing import chat_prompt, smollm2_float_dir
-    from paired_cache.pool_file import PoolFile
     from zstd_linear import compression_report, compression_stats, reset_stats
 
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    from membound_integration.rows.paired_cache import pool_path
+
     model = load_stacked(
         model_dir,
-        pool_path(),
+        compressed_pool_path() if POOL == "zstd" else pool_path(),
         rest_zlin_path(),
         "trained",
         FRACTION,
         predictor=predictor_path(),
-        policy="budget",
-        memory_limit="auto",
+        keep_cached=KEEP_CACHED,
+        **POLICY,
     )
     config = model.config
     report = compression_report(model)
@@ -65,25 +101,28 @@ def combined_row() -> Row:
     head_dim = config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
     seen = cache.get_seq_length()
-    mlp_bytes = PoolFile(pool_path()).pool_bytes + sum(m.gate_weight.nbytes for m in mlps)
+    # Unbounded: the MLPs' up and down in float32 (the gates are in the report's bytes).
+    rows_bytes = config.num_hidden_layers * 2 * config.hidden_size * config.intermediate_size * 4
     resident = (
-        sum(m.cache.active_bytes for m in mlps)
+        # In place, a compressed pool's SparseMLP keeps no rows between tokens.
+        sum(m.cache.active_bytes for m in mlps if hasattr(m, "cache"))
         + report.compressed_bytes
         + stats.peak_decoded_bytes
         + cache.peak_kv_bytes()
     )
     return Row(
         name=(
-            f"stacked: paired-cache {round(FRACTION * 100)}% rows in place + zstd-linear "
-            f"attention and embedding (ratio {report.ratio:.2f}) + bmrt-kv B={BUDGET} "
+            f"stacked: paired-cache {round(FRACTION * 100)}% rows in place from a {POOL} pool + "
+            f"zstd-linear attention, gates and embedding (ratio {report.ratio:.2f}) + bmrt-kv "
+            f"B={BUDGET} "
             f"({seen} tokens)"
         ),
         **gen.row_fields(),
-        component="MLP rows read + attention, embedding + KV",
+        component="MLP rows read + attention, gates, embedding + KV",
         resident_bytes=resident,
-        unbounded_bytes=mlp_bytes + report.original_bytes + seen * per_token,
+        unbounded_bytes=rows_bytes + report.original_bytes + seen * per_token,
     )
 
 
 ROWS = {"combined": combined_row}
-PREPARE = [pool_path, predictor_path, rest_zlin_path]
+PREPARE = [compressed_pool_path, predictor_path, rest_zlin_path]

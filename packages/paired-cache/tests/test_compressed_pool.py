@@ -1,0 +1,286 @@
+"""Compressed pools (#54): convert(compress=True) writes each neuron's up | down_T row as
+one zstd frame, load_sparse reads a token's frames in place; and every SparseMLP over a
+pool with a gate from the safetensors exposes it as its gate_proj child.
+
+Tolerance. In float64 the C kernel is not used, so a compressed pool's model runs the
+uncompressed pool's torch path over the same decompressed values in the same order:
+torch.equal. In float32 the uncompressed pool's decoding runs the C kernel, which sums
+each row's products in another order than torch's matrix-vector product; both are
+float32 roundings of the same sums, so they are held to the rule of the support matrix:
+within ROUNDING_FACTOR times the dense float32 model's own distance from float64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from membound_testing.families import tiny_model
+from paired_cache import PairedCacheError, SparseMLP, convert, load_sparse, save_dense
+from paired_cache.cli import main
+from paired_cache.compressed_mlp import CompressedSparseMLP
+from paired_cache.compressed_pool import FrameReader, encode_layer
+from paired_cache.pool_file import COMPRESSED_FORMAT_VERSION, TRAILER, PoolFile
+
+FAMILIES = ("llama", "phi3")  # split gate_proj, and Phi-3's fused gate_up_proj
+IDS = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+ROUNDING_FACTOR = 4
+
+
+def on_q4_grid(model: nn.Module) -> nn.Module:
+    """The model with every MLP weight on a 4-bit grid per block of 32 values, as a Q4_1
+    GGUF dequantizes to (SmolLM2's float copy): 16 distinct values per block, which zstd
+    finds, where uniformly random float32 bytes do not compress."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp." not in name:
+                continue
+            blocks = p.view(-1, 32)
+            lo, hi = blocks.min(1, keepdim=True).values, blocks.max(1, keepdim=True).values
+            step = (hi - lo) / 15
+            blocks.copy_(lo + torch.round((blocks - lo) / step) * step)
+    return model
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(family, dtype) -> (model dir, compressed pool, gate-less pool, full pool)."""
+    root = tmp_path_factory.mktemp("compressed")
+    out = {}
+    for family in FAMILIES:
+        for dtype in (torch.float32, torch.float64):
+            name = f"{family}-{str(dtype)[6:]}"
+            model_dir = save_dense(on_q4_grid(tiny_model(family).to(dtype)), root / name)
+            paths = (root / f"{name}.z", root / f"{name}.slim", root / f"{name}.full")
+            convert(model_dir, paths[0], compress=True, progress=False)
+            convert(model_dir, paths[1], gate=False, progress=False)
+            convert(model_dir, paths[2], progress=False)
+            out[family, dtype] = (model_dir, *paths)
+    return out
+
+
+def mlps(model) -> list[SparseMLP]:
+    return [m for m in model.modules() if isinstance(m, SparseMLP)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prefill", ["sparse", "dense"])
+def test_compressed_pool_gives_the_uncompressed_pools_logits_at_full_fraction(
+    models, family, prefill
+):
+    model_dir, packed, slim, _ = models[family, torch.float64]
+    pools = PoolFile(packed)
+    assert pools.compressed and pools.codec == {"name": "zstd", "level": 3}
+    assert all(layer.gate_cols == 0 for layer in pools.layers)
+    model = load_sparse(model_dir, packed, "cats", 1.0, prefill=prefill)
+    assert [type(m) for m in mlps(model)] == [CompressedSparseMLP] * len(pools.layers)
+    reference = load_sparse(model_dir, slim, "cats", 1.0, prefill=prefill)
+    assert torch.equal(logits(model), logits(reference))
+    # Decoding: one token at a time after the prompt.
+    assert torch.equal(logits(model, IDS[:, :1]), logits(reference, IDS[:, :1]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compressed_pool_in_float32_is_within_rounding_of_dense(models, family):
+    model_dir, packed, slim, _ = models[family, torch.float32]
+    dense32 = logits(on_q4_grid(tiny_model(family)))
+    dense64 = logits(on_q4_grid(tiny_model(family)).double())
+    rounding = (dense32.double() - dense64).abs().max().item()
+    for prefill in ("sparse", "dense"):
+        out = logits(load_sparse(model_dir, packed, "cats", 1.0, prefill=prefill))
+        assert (out.double() - dense64).abs().max().item() <= ROUNDING_FACTOR * rounding
+    # A dense prefill runs the same products as the uncompressed pool's, in one order.
+    slim_dense = load_sparse(model_dir, slim, "cats", 1.0, prefill="dense")
+    assert torch.equal(
+        logits(load_sparse(model_dir, packed, "cats", 1.0, prefill="dense")), logits(slim_dense)
+    )
+
+
+def test_compressed_pool_reads_fewer_bytes_per_token_at_half_the_rows(models):
+    model_dir, packed, slim, _ = models["llama", torch.float32]
+    model = load_sparse(model_dir, packed, "cats", 0.5, prefill="sparse")
+    reference = load_sparse(model_dir, slim, "cats", 0.5, prefill="sparse")
+    out, ref = logits(model), logits(reference)
+    assert (out - ref).abs().max().item() < 1e-4  # the same rows picked
+    for m, r in zip(mlps(model), mlps(reference), strict=True):
+        assert m.pool_rows_read == r.pool_rows_read == IDS.shape[1] * 48
+        # Fewer bytes for the same rows: the weights are on a Q4_1 grid, as SmolLM2's.
+        assert 0 < m.pool_bytes_read < r.pool_bytes_read
+
+
+def test_will_read_rows_asks_for_the_picked_frames(models):
+    _, packed, _, _ = models["llama", torch.float32]
+    pools = PoolFile(packed)
+    reader = pools.frame_reader(1)
+    begin = pools.layers[1].offset + pools.layers[1].table_bytes
+    runs = pools.row_runs(1, [0, 1, 2])
+    assert runs == [(begin, begin + int(reader.offsets[3]))]
+    assert pools.row_runs(1, [5]) == [
+        (begin + int(reader.offsets[5]), begin + int(reader.offsets[6]))
+    ]
+
+
+class CountingGate(nn.Module):
+    """A stand-in for another package's compressed linear: x @ W.T (through F.linear, over
+    the same W: a copy at another alignment rounds the last bit differently), counting
+    its calls."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.w, self.calls = weight.detach(), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.nn.functional.linear(x, self.w)
+
+
+@pytest.mark.parametrize("pool", [1, 2, 3])  # compressed, gate-less, with its gate
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_replaced_gate_proj_is_what_the_source_and_prefill_call(models, family, pool):
+    model_dir, *paths = models[family, torch.float32]
+    model = load_sparse(model_dir, paths[pool - 1], "cats", 0.5, prefill="dense")
+    before, before_one = logits(model), logits(model, IDS[:, :1])
+    first = mlps(model)[0]
+    linear = first.gate_proj
+    assert type(linear) is nn.Linear and linear.bias is None
+    assert linear.weight.data_ptr() == first.source.gate.data_ptr()  # the mapped gate, no copy
+    counters = []
+    for m in mlps(model):
+        m.gate_proj = CountingGate(m.gate_proj.weight)
+        counters.append(m.gate_proj)
+    assert torch.equal(logits(model), before)  # the prompt: one dense call per layer
+    assert torch.equal(logits(model, IDS[:, :1]), before_one)  # one token: the source's call
+    assert all(c.calls == 2 for c in counters)
+
+
+def test_cli_convert_compresses(models, tmp_path, capsys):
+    model_dir = models["llama", torch.float32][0]
+    out = tmp_path / "cli.pcpool"
+    assert (
+        main(
+            ["convert", str(model_dir), str(out), "--compress", "--compress-level", "1", "--quiet"]
+        )
+        == 0
+    )
+    assert PoolFile(out).codec == {"name": "zstd", "level": 1}
+    assert "MLP pools" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("level", [0, 23, True, "19", 2.0])
+def test_a_bad_level_is_refused_and_nothing_written(models, tmp_path, level):
+    model_dir = models["llama", torch.float32][0]
+    with pytest.raises(PairedCacheError, match=r"compress_level must be an int in \[1, 22\]"):
+        convert(model_dir, tmp_path / "x.pcpool", compress=True, compress_level=level)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gate_is_refused_in_a_compressed_pool(models, tmp_path):
+    model_dir = models["llama", torch.float32][0]
+    with pytest.raises(PairedCacheError, match="a compressed pool holds no gate"):
+        convert(model_dir, tmp_path / "x.pcpool", gate=True, compress=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kwargs", [{"rows": "copy"}, {"window": 2}, {"rows": "copy", "window": 4}])
+def test_copied_rows_are_refused_over_a_compressed_pool(models, kwargs):
+    model_dir, packed, _, _ = models["llama", torch.float32]
+    with pytest.raises(PairedCacheError, match=r"use rows='in_place'.*or an uncompressed pool"):
+        load_sparse(model_dir, packed, "cats", 0.5, **kwargs)
+
+
+def test_a_source_that_needs_the_pools_gate_is_refused(models):
+    model_dir, packed, _, _ = models["llama", torch.float32]
+    with pytest.raises(PairedCacheError, match=r"does not compute act\(gate x\)"):
+        load_sparse(model_dir, packed, "oracle", 0.5)
+    pools = PoolFile(packed)
+    with pytest.raises(PairedCacheError, match="a compressed pool holds no gate; pass gate="):
+        CompressedSparseMLP.from_pool_file(pools, 0, torch.nn.SiLU(), "cats", 0.5)
+    with pytest.raises(PairedCacheError, match=r"CompressedSparseMLP\.from_pool_file"):
+        SparseMLP.from_pool_file(pools, 0, torch.nn.SiLU(), "cats", 0.5, rows="in_place")
+
+
+def test_a_corrupted_frame_is_found_by_verify_and_by_decoding(models, tmp_path):
+    packed = models["llama", torch.float32][1]
+    data = bytearray(packed.read_bytes())
+    pools = PoolFile(packed)
+    layer = pools.layers[1]
+    reader = pools.frame_reader(1)
+    at = layer.offset + layer.table_bytes + int(reader.offsets[7]) + 20  # inside frame 7
+    data[at] ^= 0x5A
+    bad = tmp_path / "bad.pcpool"
+    bad.write_bytes(bytes(data))
+    damaged = PoolFile(bad)  # opening reads no frame
+    with pytest.raises(PairedCacheError, match=r"layer model\.layers\.1\.mlp pool checksum"):
+        damaged.verify()
+    damaged.frame_reader(1).rows(np.array([6], dtype=np.int64))  # its neighbour decodes
+    with pytest.raises(PairedCacheError, match="frame is damaged"):
+        damaged.frame_reader(1).rows(np.array([6, 7], dtype=np.int64))
+    pools.verify()  # the original is whole
+
+
+def test_a_truncated_or_mislabelled_file_is_refused(models, tmp_path):
+    _, packed, _, _ = models["llama", torch.float32]
+    data = packed.read_bytes()
+    cut = tmp_path / "cut.pcpool"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(PairedCacheError, match="damaged trailer"):
+        PoolFile(cut)
+    # A header whose codec another reader wrote (checksummed, so it is the header's word).
+    header_len = TRAILER.unpack(data[-TRAILER.size :])[0]
+    header_start = len(data) - TRAILER.size - header_len
+    meta = json.loads(data[header_start : len(data) - TRAILER.size])
+    assert meta["format_version"] == COMPRESSED_FORMAT_VERSION
+    for codec in ({"name": "lz4", "level": 1}, {"name": "zstd", "level": 40}):
+        header = json.dumps({**meta, "codec": codec}).encode()
+        other = tmp_path / "other.pcpool"
+        trailer = TRAILER.pack(len(header), hashlib.sha256(header).digest(), data[-8:])
+        other.write_bytes(data[:header_start] + header + trailer)
+        with pytest.raises(PairedCacheError, match=r"codec|compress_level"):
+            PoolFile(other)
+    # Frame offsets that run past the layer.
+    off = meta["layers"][0]["offset"]
+    table = bytearray(data)
+    table[off + 8 : off + 16] = struct.pack("<Q", 2**40)
+    broken = tmp_path / "table.pcpool"
+    broken.write_bytes(bytes(table))
+    with pytest.raises(PairedCacheError, match="damaged frame offsets"):
+        PoolFile(broken)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 9),
+    up_cols=st.integers(1, 13),
+    hidden=st.integers(1, 13),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    level=st.integers(1, 22),
+    seed=st.integers(0, 2**16),
+)
+def test_frames_round_trip_every_dtype(n, up_cols, hidden, dtype, level, seed):
+    gen = torch.Generator().manual_seed(seed)
+    up = torch.randn(n, up_cols, generator=gen).to(dtype)
+    down = torch.randn(hidden, n, generator=gen).to(dtype)
+    data, offsets = encode_layer(up, down, level)
+    table = (n + 1) * 8
+    reader = FrameReader(
+        memoryview(data)[table:], offsets.astype(np.int64), 0, up_cols, hidden, dtype
+    )
+    rows = np.flatnonzero(np.random.default_rng(seed).random(n) < 0.6).astype(np.int64)
+    got_up, got_down = reader.rows(rows)
+    assert torch.equal(got_up.view(torch.uint8), up[rows].view(torch.uint8))
+    assert torch.equal(got_down.view(torch.uint8), down.t()[rows].contiguous().view(torch.uint8))
+    all_up, all_down = reader.rows()
+    assert torch.equal(all_up, up) and torch.equal(all_down, down.t())
