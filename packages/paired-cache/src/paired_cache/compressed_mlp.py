@@ -4,7 +4,6 @@ token's rows decompressed from their zstd frames where they lie in the mapping."
 from __future__ import annotations
 
 import functools
-from collections import deque
 
 import numpy as np
 import torch
@@ -51,7 +50,6 @@ class CompressedSparseMLP(SparseMLP):
         self.in_place, self.prefill = True, prefill
         self._will_read_pool = None
         self.will_read_rows = None  # as SparseMLP's: called with a token's rows first
-        self._recent: deque[torch.Tensor] = deque(maxlen=1)
         self.tokens = 0
         self.pool_rows_read = 0
         self._bytes_read = 0

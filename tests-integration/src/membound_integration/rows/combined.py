@@ -21,7 +21,7 @@ decoded), and the KV cache.
 import os
 
 from membound_integration.row import QUESTION, Row, greedy_generate
-from membound_integration.rows.paired_cache import predictor_path
+from membound_integration.rows.paired_cache import pool_path, predictor_path
 
 FRACTION = 0.5
 BUDGET = 32
@@ -31,7 +31,7 @@ BLOCK = 16
 POOL = os.environ.get("MEMBOUND_STACK_POOL", "zstd")
 # paired-cache's keep_cached: a byte count, "auto" or "none".
 _KEEP = os.environ.get("MEMBOUND_STACK_KEEP", "0")
-KEEP_CACHED = {"auto": "auto", "none": None}.get(_KEEP) if not _KEEP.isdigit() else int(_KEEP)
+KEEP_CACHED = int(_KEEP) if _KEEP.isdigit() else {"auto": "auto", "none": None}[_KEEP]
 # zstd-linear's policy for the attention, gates and embedding.
 POLICY = {
     "budget": {"policy": "budget", "memory_limit": "auto"},
@@ -76,8 +76,6 @@ def combined_row() -> Row:
 
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    from membound_integration.rows.paired_cache import pool_path
-
     model = load_stacked(
         model_dir,
         compressed_pool_path() if POOL == "zstd" else pool_path(),
