@@ -26,7 +26,7 @@ from torch import nn
 from membound_testing.families import tiny_model
 from paired_cache import PairedCacheError, SparseMLP, convert, load_sparse, save_dense
 from paired_cache.cli import main
-from paired_cache.compressed_mlp import CompressedSparseMLP
+from paired_cache.compressed_mlp import CompressedSparseMLP, keep_decoded
 from paired_cache.compressed_pool import FrameReader, encode_layer
 from paired_cache.pool_file import COMPRESSED_FORMAT_VERSION, TRAILER, PoolFile
 
@@ -119,6 +119,80 @@ def test_compressed_pool_reads_fewer_bytes_per_token_at_half_the_rows(models):
         assert m.pool_rows_read == r.pool_rows_read == IDS.shape[1] * 48
         # Fewer bytes for the same rows: the weights are on a Q4_1 grid, as SmolLM2's.
         assert 0 < m.pool_bytes_read < r.pool_bytes_read
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prefill", ["sparse", "dense"])
+def test_kept_rows_give_the_same_logits_and_are_read_once(models, family, prefill):
+    model_dir, packed, _, _ = models[family, torch.float64]
+    model = load_sparse(model_dir, packed, "cats", 0.5, prefill=prefill)
+    reference = load_sparse(model_dir, packed, "cats", 0.5, prefill=prefill)
+    layers = mlps(model)
+    kept = keep_decoded(model, 10 * layers[0].decoded_bytes)
+    assert len(kept) == len(layers) and all(m.kept_rows == 0 for m in layers)
+    asked = [[] for _ in layers]  # the rows each layer asks will_read_rows for
+    for m, a in zip(layers, asked, strict=True):
+        m.will_read_rows = lambda rows, a=a: a.append(rows.clone())
+    first = [logits(model), logits(model, IDS[:, 3:4])]
+    assert torch.equal(first[0], logits(reference))
+    assert torch.equal(first[1], logits(reference, IDS[:, 3:4]))
+    read = [m.pool_bytes_read for m in layers]
+    assert all(r > 0 for r in read)
+    for m in layers:  # each kept row was read once: the bytes are those of its frame
+        have = m._kept[2].nonzero().flatten().numpy()
+        assert 0 < m.kept_rows == have.shape[0] <= m.frames.n_rows
+        assert m.pool_bytes_read == m.frames.compressed_bytes(have)
+        if prefill == "dense":
+            assert m.kept_rows == m.frames.n_rows
+    for m, a in zip(layers, asked, strict=True):  # each row asked for once, before its read
+        rows = torch.cat(a).numpy() if a else np.empty(0, dtype=np.int64)
+        assert np.unique(rows).shape == rows.shape
+        if prefill == "sparse":
+            assert np.array_equal(np.sort(rows), m._kept[2].nonzero().flatten().numpy())
+    # The same tokens again: every row they pick is kept, nothing is read or asked for.
+    n_asked = [len(a) for a in asked]
+    again = [logits(model), logits(model, IDS[:, 3:4])]
+    assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+    assert [m.pool_bytes_read for m in layers] == read
+    assert [len(a) for a in asked] == n_asked
+    ref_read = sum(m.pool_bytes_read for m in mlps(reference))
+    assert sum(read) < ref_read
+    # Dropped: every token reads its rows again.
+    keep_decoded(model, 0)
+    assert all(m.kept_rows == 0 for m in layers)
+    assert torch.equal(logits(model, IDS[:, 3:4]), first[1])
+    assert all(m.pool_bytes_read > r for m, r in zip(layers, read, strict=True))
+
+
+def test_keep_decoded_keeps_whole_layers_in_order_up_to_the_bytes(models):
+    model_dir, packed, _, _ = models["llama", torch.float32]
+    model = load_sparse(model_dir, packed, "cats", 0.5)
+    layers = mlps(model)
+    assert len(layers) >= 2
+    size = layers[0].decoded_bytes
+    assert size == layers[0].frames.n_rows * layers[0].frames.frame_size
+    names = [n for n, m in model.named_modules() if isinstance(m, CompressedSparseMLP)]
+    assert keep_decoded(model, size + size // 2) == names[:1]
+    assert [m._kept is not None for m in layers] == [True] + [False] * (len(layers) - 1)
+    logits(model)  # the dense prefill fills the kept layer, and only it
+    assert [m.kept_rows for m in layers] == [layers[0].frames.n_rows] + [0] * (len(layers) - 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "auto", None])
+def test_keep_decoded_refuses_a_bad_byte_count_and_changes_nothing(models, bad):
+    model_dir, packed, _, _ = models["llama", torch.float32]
+    model = load_sparse(model_dir, packed, "cats", 0.5)
+    with pytest.raises(PairedCacheError, match="max_bytes must be an int >= 0"):
+        keep_decoded(model, bad)
+    assert all(m._kept is None for m in mlps(model))
+    with pytest.raises(PairedCacheError, match="keep must be a bool"):
+        mlps(model)[0].keep_decoded("yes")
+
+
+def test_keep_decoded_refuses_a_model_without_a_compressed_pool(models):
+    model_dir, _, slim, _ = models["llama", torch.float32]
+    with pytest.raises(PairedCacheError, match="no CompressedSparseMLP"):
+        keep_decoded(load_sparse(model_dir, slim, "cats", 0.5), 1 << 30)
 
 
 def test_will_read_rows_asks_for_the_picked_frames(models):

@@ -1,5 +1,7 @@
 """CompressedSparseMLP: a SparseMLP over a compressed pool (pool file format 2), each
-token's rows decompressed from their zstd frames where they lie in the mapping."""
+token's rows decompressed from their zstd frames where they lie in the mapping; with
+``keep_decoded``, the rows a layer has decompressed stay in anonymous memory, so each is
+read and decompressed once (for a process with memory to spare)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class CompressedSparseMLP(SparseMLP):
     compressed pool: the gate is the gate_proj child (mapped from the safetensors; the
     pool holds none), and a token's rows are decompressed in one call into temporaries
     freed after the layer. No PairedCache and no active rows: rows="in_place", window 1.
+    ``keep_decoded(True)`` keeps every row decompressed so far (at most the layer's
+    ``decoded_bytes``) and reads only the rows not yet kept.
 
     forward: x (..., hidden) float -> (..., hidden). Its products are those of SparseMLP's
     in-place torch path (and of its dense prefill) over the same rows, in the same order.
@@ -53,7 +57,76 @@ class CompressedSparseMLP(SparseMLP):
         self.tokens = 0
         self.pool_rows_read = 0
         self._bytes_read = 0
+        self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._all_kept = False
         self.use_gate_proj(gate)
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of every row decompressed (up | down_T): what keep_decoded holds at most."""
+        return self.frames.n_rows * self.frames.frame_size
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows kept decompressed (0 unless keep_decoded)."""
+        return 0 if self._kept is None else int(self._kept[2].sum())
+
+    def keep_decoded(self, keep: bool = True) -> None:
+        """Keep the rows this layer decompresses from now on (True), or drop them (False).
+
+        Kept rows live in two (N, up_cols) and (N, hidden) tensors of anonymous memory,
+        filled as tokens pick rows (a dense prefill fills them all); a token then reads and
+        decompresses only its rows not kept yet. Its products are unchanged: the same
+        rows, in the same order, as without.
+        """
+        if not isinstance(keep, bool):
+            raise PairedCacheError(f"keep must be a bool, got {keep!r}")
+        if not keep:
+            self._kept, self._all_kept = None, False
+        elif self._kept is None:
+            f = self.frames
+            self._kept = (
+                torch.empty(f.n_rows, f.up_cols, dtype=f.dtype),
+                torch.empty(f.n_rows, f.hidden, dtype=f.dtype),
+                torch.zeros(f.n_rows, dtype=torch.bool),
+            )
+
+    def _read_rows(self, idx: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up (m, up_cols), down_T (m, hidden)) of rows idx ((m,) int64 ascending; None:
+        every row): decompressed, or taken from the kept rows; asks will_read_rows for the
+        rows it reads (not the kept ones) and counts their bytes."""
+        f = self.frames
+        if self._kept is None:
+            missing = idx
+        else:
+            kept_up, kept_down, have = self._kept
+            at = None if idx is None else torch.from_numpy(idx)
+            if self._all_kept:
+                missing = np.empty(0, dtype=np.int64)
+            elif at is None:
+                missing = torch.arange(f.n_rows)[~have].numpy()
+            else:
+                missing = at[~have[at]].numpy()
+        if idx is not None and self.will_read_rows is not None and missing.shape[0]:
+            self.will_read_rows(torch.from_numpy(missing))
+        if self._kept is None:
+            up, down_T = f.rows(idx)
+        else:
+            if missing.shape[0]:
+                up_m, down_m = f.rows(missing)
+                rows_m = torch.from_numpy(missing)
+                kept_up[rows_m], kept_down[rows_m] = up_m, down_m
+                have[rows_m] = True
+                self._all_kept = bool(have.all())
+            if at is None:
+                up, down_T = kept_up, kept_down
+            else:
+                up, down_T = kept_up.index_select(0, at), kept_down.index_select(0, at)
+        if missing is None:
+            self._bytes_read += int(f.offsets[-1])
+        else:
+            self._bytes_read += f.compressed_bytes(missing)
+        return up, down_T
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -147,12 +220,9 @@ class CompressedSparseMLP(SparseMLP):
     ) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden) over the rows idx ((m,) int32, ascending), their
         frames decompressed in one call; gate_at: (m,) act(gate x) at those rows."""
-        if self.will_read_rows is not None:
-            self.will_read_rows(idx)
         rows = idx.numpy().astype(np.int64)
-        up, down_T = self.frames.rows(rows)  # (m, up_cols), (m, hidden)
+        up, down_T = self._read_rows(rows)  # (m, up_cols), (m, hidden)
         self.pool_rows_read += rows.shape[0]
-        self._bytes_read += self.frames.compressed_bytes(rows)
         h = gate_at * F.linear(x, up)  # (T, m)
         return h @ down_T  # (T, m) @ (m, hidden)
 
@@ -160,11 +230,47 @@ class CompressedSparseMLP(SparseMLP):
         """x: (T, hidden) -> (T, hidden) over every row: every frame decompressed once."""
         if self._will_read_pool is not None:
             self._will_read_pool()
-        up, down_T = self.frames.rows()  # (N, up_cols), (N, hidden)
+        up, down_T = self._read_rows(None)  # (N, up_cols), (N, hidden)
         self.pool_rows_read += self.frames.n_rows
-        self._bytes_read += int(self.frames.offsets[-1])
         h = self.act_fn(self.gate_proj(x)) * F.linear(x, up)  # (T, N)
         return h @ down_T
 
 
-__all__ = ["CompressedSparseMLP"]
+def keep_decoded(model: torch.nn.Module, max_bytes: int) -> list[str]:
+    """Keep decompressed rows in the model's CompressedSparseMLPs, layers in the order the
+    model runs them, as many whole layers as ``max_bytes`` holds (each costs its
+    ``decoded_bytes`` once all its rows are read); every other layer keeps none.
+
+    For a process with memory to spare: a kept row is read from storage and decompressed
+    once, not at every token that picks it. Memory grows as rows are first read, up to the
+    kept layers' decoded bytes.
+
+    Args:
+        model: a model from ``load_sparse`` over a compressed pool.
+        max_bytes: bytes of anonymous memory the kept rows may take, an int >= 0.
+
+    Returns:
+        The names of the layers that keep their rows.
+
+    Raises:
+        PairedCacheError: a bad max_bytes, or a model with no CompressedSparseMLP.
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise PairedCacheError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, CompressedSparseMLP)]
+    if not layers:
+        raise PairedCacheError(
+            "the model has no CompressedSparseMLP: keep_decoded is for a model load_sparse "
+            "built over a compressed pool (convert(..., compress=True))"
+        )
+    kept, used = [], 0
+    for name, mlp in layers:
+        fits = used + mlp.decoded_bytes <= max_bytes
+        mlp.keep_decoded(fits)
+        if fits:
+            kept.append(name)
+            used += mlp.decoded_bytes
+    return kept
+
+
+__all__ = ["CompressedSparseMLP", "keep_decoded"]
