@@ -129,4 +129,6 @@ def test_stacking_section_runs_and_answers(tmp_path, monkeypatch, capsys):
     assert all(isinstance(layer.mlp, SparseMLP) for layer in model.model.layers)
     assert all(isinstance(layer.self_attn.o_proj, CompressedLinear) for layer in model.model.layers)
     assert isinstance(model.lm_head, CompressedLinear)
+    kept = [layer.mlp.kept_rows for layer in model.model.layers]
+    assert sum(kept) > 0 and kept[-1] == 0  # 128 MiB holds the first layers' rows only
     assert "Paris" in capsys.readouterr().out

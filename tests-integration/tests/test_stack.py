@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bmrt_kv import BMRTCache, BMRTConfig
-from membound_integration.stack import MLP_GLOB, ROWS_GLOBS, load_stacked
+from membound_integration.stack import MLP_GLOB, ROWS_GLOBS, load_stacked, room_for_rows
 from membound_testing.families import VOCAB, tiny_model
 from paired_cache import SparseMLP, convert, sparsify_model
 from zstd_linear import CompressedFileError, CompressedLinear, compress_model, save_compressed
@@ -104,22 +104,57 @@ def test_lossless_stack_with_bmrt_kv_gives_plain_tokens(stacked, seed, length):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, tmp_path):
+@pytest.mark.parametrize("keep", [None, 1 << 30, "auto"])
+def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, keep, tmp_path):
+    """Also with the decoded rows kept (a byte count, or "auto" sized by room_for_rows
+    from a budget policy's limit with room for everything): the same logits, and every
+    row is read from the pool once."""
     plain = tiny_model(family)
     plain.save_pretrained(tmp_path / "dense")
     convert(tmp_path / "dense", tmp_path / "mlp.pcpool", compress=True, progress=False)
     model = tiny_model(family)
     compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
     save_compressed(model, tmp_path / "rest.zlin")
+    policy = {"policy": "budget", "memory_limit": 1 << 36} if keep == "auto" else {}
     stacked = load_stacked(
-        tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin", "cats", 1.0
+        tmp_path / "dense",
+        tmp_path / "mlp.pcpool",
+        tmp_path / "rest.zlin",
+        "cats",
+        1.0,
+        keep_decoded=keep,
+        **policy,
     )
-    assert all(isinstance(layer.mlp.gate_proj, CompressedLinear) for layer in stacked.model.layers)
+    layers = stacked.model.layers
+    assert all(isinstance(layer.mlp.gate_proj, CompressedLinear) for layer in layers)
+    if keep == "auto":
+        assert room_for_rows(stacked) >= sum(layer.mlp.decoded_bytes for layer in layers)
     for seed, length in ((0, 1), (1, 9), (2, 17)):
         ids = _ids(seed, length)
         ref, got = _logits(plain, ids), _logits(stacked, ids)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    packed = [int(layer.mlp.frames.offsets[-1]) for layer in layers]
+    read = [layer.mlp.pool_bytes_read for layer in layers]
+    if keep is None:  # each token (one pass of 1, then dense prefills) read every frame
+        assert read == [3 * p for p in packed]
+    else:
+        assert read == packed
+        assert all(layer.mlp.kept_rows == layer.mlp.frames.n_rows for layer in layers)
+
+
+def test_room_for_rows_is_zero_without_room_or_a_budget_policy(tmp_path):
+    plain = tiny_model("llama")
+    plain.save_pretrained(tmp_path / "dense")
+    convert(tmp_path / "dense", tmp_path / "mlp.pcpool", compress=True, progress=False)
+    model = tiny_model("llama")
+    compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
+    save_compressed(model, tmp_path / "rest.zlin")
+    files = (tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin", "cats", 0.5)
+    assert room_for_rows(load_stacked(*files)) == 0  # per_pass_prefetch: no limit known
+    tight = load_stacked(*files, keep_decoded="auto", policy="budget", memory_limit=1 << 20)
+    assert room_for_rows(tight) == 0
+    assert all(layer.mlp.kept_rows == 0 and layer.mlp._kept is None for layer in tight.model.layers)
 
 
 def test_refused_step_leaves_the_model_unchanged(stacked):

@@ -16,9 +16,14 @@ takes the model the other left:
    compressed). The file is written without the rows the pool holds
    (``compress_model(model, exclude=ROWS_GLOBS, embeddings=True)``, or :func:`write_rest_zlin`).
 3. ``bmrt_kv.BMRTCache`` bounds the KV cache of that model's attention.
+4. With memory to spare, ``paired_cache.compressed_mlp.keep_decoded`` keeps the rows of
+   some layers decompressed once read (:func:`room_for_rows` sizes them from what
+   zstd-linear's budget policy left: both packages draw on one limit, so the second one
+   sized is given what the first did not take).
 
 Nothing of the model is copied into anonymous memory but the mask sources' predictors,
-the MLP rows a token multiplies, and the decoded layers the zstd-linear policy keeps.
+the MLP rows a token multiplies, the decoded layers the zstd-linear policy keeps and the
+rows paired-cache keeps decoded.
 
 Stacking in the other order (compress first, then sparsify) gives the same model at
 lossless settings (tests/test_stack.py); a file naming layers another package replaced
@@ -68,6 +73,7 @@ def load_stacked(
     policy: str = "per_pass_prefetch",
     predictor: str | os.PathLike | None = None,
     keep_cached: int | str | None = "auto",
+    keep_decoded: int | str | None = None,
     **policy_options,
 ):
     """The model of ``model_dir`` with its MLPs sparse over ``pool`` and every other Linear
@@ -85,6 +91,9 @@ def load_stacked(
             "auto"`` for "budget").
         predictor: the predictor file of ``source="trained"``.
         keep_cached: ``load_sparse``'s (what each token reads in full that stays cached).
+        keep_decoded: bytes of decoded MLP rows to keep (a compressed pool only:
+            ``paired_cache.compressed_mlp.keep_decoded``), "auto" for
+            :func:`room_for_rows` (with ``policy="budget"``), or None (keep none).
 
     Returns:
         The model, in eval mode.
@@ -97,4 +106,57 @@ def load_stacked(
         model_dir, pool, source, fraction, rows="in_place", keep_cached=keep_cached, **options
     )
     zstd_linear.load_compressed(zlin, model, policy, **policy_options)
+    if keep_decoded is not None:
+        from paired_cache.compressed_mlp import keep_decoded as keep
+
+        keep(model, room_for_rows(model) if keep_decoded == "auto" else keep_decoded)
     return model
+
+
+def room_for_rows(model, headroom: int = 64 << 20) -> int:
+    """The bytes of decoded MLP rows a stacked model may keep (``keep_decoded``) in what
+    zstd-linear's budget policy left of its ``memory_limit``.
+
+    The budget policy sized its pinned set to the limit less what the process held, its
+    prefetch buffers, a headroom and every compressed byte it maps (kept in the page
+    cache); what its pinned set does not charge is left. Of that, a layer whose rows are
+    kept costs its decoded bytes, and a layer not kept needs its compressed pool pages
+    cached (else every token reads them from storage): as many layers are kept as leave
+    the rest's pages room, or, where even none kept would not leave them room (the
+    pool is read from storage every token anyway), as many as the bytes hold. Another
+    ``headroom`` is kept back for activations.
+
+    Args:
+        model: a stacked model (:func:`load_stacked`) over a compressed pool.
+        headroom: bytes left over besides.
+
+    Returns:
+        A byte count for ``keep_decoded``; 0 when zstd-linear's policy is not "budget"
+        (it then says nothing of the limit).
+    """
+    from paired_cache.compressed_mlp import CompressedSparseMLP
+    from zstd_linear.model import runtime_of
+    from zstd_linear.policies.budget import Budget
+
+    policy = runtime_of(model).policy
+    mlps = [m for m in model.modules() if isinstance(m, CompressedSparseMLP)]
+    if not isinstance(policy, Budget) or not mlps:
+        return 0
+    encoded = policy.store.encoded
+    if policy.memory_limit is None:  # budget_bytes given: decoded bytes, all charged
+        charged = sum(encoded[n].original_bytes for n in policy.pinned)
+    else:
+        charged = sum(
+            max(0, encoded[n].original_bytes - encoded[n].file_backed_bytes) for n in policy.pinned
+        )
+    left = policy.budget_bytes - charged - headroom
+    decoded = mlps[0].decoded_bytes
+    packed = sum(int(m.frames.offsets[-1]) for m in mlps) / len(mlps)
+    n = len(mlps)
+    if left <= 0:
+        return 0
+    if left >= n * packed:  # keep k with k * decoded + (n - k) * packed <= left
+        k = int((left - n * packed) // max(1.0, decoded - packed))
+    else:
+        k = int(left // decoded)
+    return min(n, k) * decoded

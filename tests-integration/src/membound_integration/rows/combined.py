@@ -6,7 +6,12 @@ attention projection, every MLP's gate (the predictor reads all of it every toke
 the tied embedding (``budget(memory_limit="auto")``, as the zstd-linear row), and bmrt-kv
 bounding the KV cache below the sequence's length.
 
-paired-cache keeps nothing cached (``keep_cached=0``): its "auto" sizes what it keeps
+With memory to spare (what zstd-linear's budget policy leaves of the limit,
+``stack.room_for_rows``), paired-cache keeps the rows of as many layers decompressed as
+fit (``keep_decoded``), so under ``mid`` and ``ample`` a kept row is read and decompressed
+once, not at every token; under ``tight`` nothing is left and none is kept.
+
+paired-cache's page keeper keeps nothing cached (``keep_cached=0``): its "auto" sizes what it keeps
 against the cgroup's room without seeing what zstd-linear decodes into the same room,
 and under ``tight`` the stack then read 364 MiB per token (float32 pool) against 334 with
 nothing kept (tests-integration/benchmarks/stack_pools.py compares them; the
@@ -32,6 +37,9 @@ POOL = os.environ.get("MEMBOUND_STACK_POOL", "zstd")
 # paired-cache's keep_cached: a byte count, "auto" or "none".
 _KEEP = os.environ.get("MEMBOUND_STACK_KEEP", "0")
 KEEP_CACHED = int(_KEEP) if _KEEP.isdigit() else {"auto": "auto", "none": None}[_KEEP]
+# paired-cache's keep_decoded: "auto" (stack.room_for_rows), a byte count or "none".
+_DECODED = os.environ.get("MEMBOUND_STACK_DECODED", "auto")
+KEEP_DECODED = int(_DECODED) if _DECODED.isdigit() else {"auto": "auto", "none": None}[_DECODED]
 # zstd-linear's policy for the attention, gates and embedding.
 POLICY = {
     "budget": {"policy": "budget", "memory_limit": "auto"},
@@ -84,6 +92,7 @@ def combined_row() -> Row:
         FRACTION,
         predictor=predictor_path(),
         keep_cached=KEEP_CACHED,
+        keep_decoded=KEEP_DECODED if POOL == "zstd" else None,
         **POLICY,
     )
     config = model.config
@@ -102,8 +111,9 @@ def combined_row() -> Row:
     # Unbounded: the MLPs' up and down in float32 (the gates are in the report's bytes).
     rows_bytes = config.num_hidden_layers * 2 * config.hidden_size * config.intermediate_size * 4
     resident = (
-        # In place, a compressed pool's SparseMLP keeps no rows between tokens.
+        # In place, a compressed pool's SparseMLP keeps only the rows keep_decoded kept.
         sum(m.cache.active_bytes for m in mlps if hasattr(m, "cache"))
+        + sum(m.kept_rows * m.frames.frame_size for m in mlps if hasattr(m, "kept_rows"))
         + report.compressed_bytes
         + stats.peak_decoded_bytes
         + cache.peak_kv_bytes()
