@@ -3,8 +3,8 @@
 `hatch run bench` runs `hatch run <package>:bench` for each package (each benchmark writes
 JSON to packages/<package>/benchmarks/results/), then renders that JSON: every table of a
 package into packages/<package>/benchmarks/RESULTS.md (the package README's "Measured"
-section links to it), and the budget runner's and the demo's tables into the root
-README's. `--render-only` skips the runs. Only JSON written by a real run is rendered;
+section links to it), the budget runner's table into the root README's and the demo's
+into tests-integration/RESULTS.md. `--render-only` skips the runs. Only JSON written by a real run is rendered;
 every table carries its date, machine and command.
 """
 
@@ -45,12 +45,19 @@ RESULTS_LINK = (
 )
 
 
-def write_results_page(package: str, results: list[dict]) -> Path:
-    """packages/<package>/benchmarks/RESULTS.md: every table of the package's results."""
-    path = ROOT / "packages" / package / "benchmarks" / "RESULTS.md"
+DEMO_PAGE = ROOT / "tests-integration" / "RESULTS.md"
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def write_page(path: Path, title: str, results: list[dict], folder: str) -> Path:
+    """A page of every table of ``results`` (JSON in ``folder``, relative to the page),
+    written atomically."""
     head = (
-        f"# {package}: measured\n\nRendered by `tools/bench.py` from the JSON in "
-        "[results/](results/), each table as its benchmark wrote it; newer rows and "
+        f"# {title}\n\nRendered by `tools/bench.py` from the JSON in "
+        f"[{folder}]({folder}), each table as its benchmark wrote it; newer rows and "
         "findings are summarised in the [README](../README.md).\n\n"
     )
     body = "\n".join(render_result(r, heading="##") for r in results)
@@ -58,6 +65,12 @@ def write_results_page(package: str, results: list[dict]) -> Path:
     tmp.write_text(head + body.rstrip() + "\n")
     tmp.replace(path)
     return path
+
+
+def write_results_page(package: str, results: list[dict]) -> Path:
+    """packages/<package>/benchmarks/RESULTS.md: every table of the package's results."""
+    path = ROOT / "packages" / package / "benchmarks" / "RESULTS.md"
+    return write_page(path, f"{package}: measured", results, "results/")
 
 
 def main() -> int:
@@ -91,10 +104,11 @@ def main() -> int:
         demo_cmd = [hatch(), "run", "default:demo", "--results", str(demo)]
         if refresh("default") != 0 or subprocess.call(demo_cmd, cwd=ROOT):
             failed.append("demo")
-    if demo.is_file():
-        with open(demo) as f:
-            sections.append(render_result(json.load(f)))
     links = []
+    if demo.is_file():  # the demo's table on its own page: the README keeps one table
+        with open(demo) as f:
+            page = write_page(DEMO_PAGE, "membound: the demo", [json.load(f)], "results/")
+        links.append(f"- the demo, every row without a limit: [{page.name}]({rel(page)})")
     for package in PACKAGES:
         results = load_results(package)
         if not results:
@@ -103,7 +117,7 @@ def main() -> int:
         replace_section(ROOT / "packages" / package / "README.md", RESULTS_LINK)
         links.append(f"- {package}: [RESULTS.md](packages/{package}/benchmarks/RESULTS.md)")
     if links:
-        sections.append("Every package's other tables:\n\n" + "\n".join(links))
+        sections.append("Every other table:\n\n" + "\n".join(links))
     if sections:
         replace_section(ROOT / "README.md", "\n".join(sections))
         print("\n".join(sections))
