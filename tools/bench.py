@@ -4,8 +4,8 @@
 JSON to packages/<package>/benchmarks/results/), then renders that JSON: every table of a
 package into packages/<package>/benchmarks/RESULTS.md (the package README's "Measured"
 section links to it), the budget runner's table into the root README's and the demo's
-into tests-integration/RESULTS.md. `--render-only` skips the runs. Only JSON written by a real run is rendered;
-every table carries its date, machine and command.
+into tests-integration/RESULTS.md. `--render-only` skips the runs. Only JSON written by a
+real run is rendered; every table carries its date, machine and command.
 """
 
 from __future__ import annotations
@@ -48,16 +48,12 @@ RESULTS_LINK = (
 DEMO_PAGE = ROOT / "tests-integration" / "RESULTS.md"
 
 
-def rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
-
-
-def write_page(path: Path, title: str, results: list[dict], folder: str) -> Path:
-    """A page of every table of ``results`` (JSON in ``folder``, relative to the page),
+def write_page(path: Path, title: str, results: list[dict]) -> Path:
+    """A page of every table of ``results`` (their JSON in results/ beside the page),
     written atomically."""
     head = (
         f"# {title}\n\nRendered by `tools/bench.py` from the JSON in "
-        f"[{folder}]({folder}), each table as its benchmark wrote it; newer rows and "
+        "[results/](results/), each table as its benchmark wrote it; newer rows and "
         "findings are summarised in the [README](../README.md).\n\n"
     )
     body = "\n".join(render_result(r, heading="##") for r in results)
@@ -70,7 +66,7 @@ def write_page(path: Path, title: str, results: list[dict], folder: str) -> Path
 def write_results_page(package: str, results: list[dict]) -> Path:
     """packages/<package>/benchmarks/RESULTS.md: every table of the package's results."""
     path = ROOT / "packages" / package / "benchmarks" / "RESULTS.md"
-    return write_page(path, f"{package}: measured", results, "results/")
+    return write_page(path, f"{package}: measured", results)
 
 
 def main() -> int:
@@ -107,8 +103,10 @@ def main() -> int:
     links = []
     if demo.is_file():  # the demo's table on its own page: the README keeps one table
         with open(demo) as f:
-            page = write_page(DEMO_PAGE, "membound: the demo", [json.load(f)], "results/")
-        links.append(f"- the demo, every row without a limit: [{page.name}]({rel(page)})")
+            write_page(DEMO_PAGE, "membound: the demo", [json.load(f)])
+        links.append(
+            "- the demo, every row without a limit: [RESULTS.md](tests-integration/RESULTS.md)"
+        )
     for package in PACKAGES:
         results = load_results(package)
         if not results:

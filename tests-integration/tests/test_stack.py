@@ -103,28 +103,28 @@ def test_lossless_stack_with_bmrt_kv_gives_plain_tokens(stacked, seed, length):
     assert torch.equal(got, want)
 
 
+def _compressed_stack_files(family, tmp_path):
+    """A tiny model of ``family`` saved, its compressed pool and the .zlin of the rest (the
+    gates among them), under tmp_path: (the plain model, (model_dir, pool, zlin))."""
+    files = tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin"
+    plain = tiny_model(family)
+    plain.save_pretrained(files[0])
+    convert(files[0], files[1], compress=True, progress=False)
+    model = tiny_model(family)
+    compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
+    save_compressed(model, files[2])
+    return plain, files
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("keep", [None, 1 << 30, "auto"])
 def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, keep, tmp_path):
     """Also with the decoded rows kept (a byte count, or "auto" sized by room_for_rows
     from a budget policy's limit with room for everything): the same logits, and every
     row is read from the pool once."""
-    plain = tiny_model(family)
-    plain.save_pretrained(tmp_path / "dense")
-    convert(tmp_path / "dense", tmp_path / "mlp.pcpool", compress=True, progress=False)
-    model = tiny_model(family)
-    compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
-    save_compressed(model, tmp_path / "rest.zlin")
+    plain, files = _compressed_stack_files(family, tmp_path)
     policy = {"policy": "budget", "memory_limit": 1 << 36} if keep == "auto" else {}
-    stacked = load_stacked(
-        tmp_path / "dense",
-        tmp_path / "mlp.pcpool",
-        tmp_path / "rest.zlin",
-        "cats",
-        1.0,
-        keep_decoded=keep,
-        **policy,
-    )
+    stacked = load_stacked(*files, "cats", 1.0, keep_decoded=keep, **policy)
     layers = stacked.model.layers
     assert all(isinstance(layer.mlp.gate_proj, CompressedLinear) for layer in layers)
     if keep == "auto":
@@ -144,13 +144,7 @@ def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, keep, 
 
 
 def test_room_for_rows_is_zero_without_room_or_a_budget_policy(tmp_path):
-    plain = tiny_model("llama")
-    plain.save_pretrained(tmp_path / "dense")
-    convert(tmp_path / "dense", tmp_path / "mlp.pcpool", compress=True, progress=False)
-    model = tiny_model("llama")
-    compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
-    save_compressed(model, tmp_path / "rest.zlin")
-    files = (tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin", "cats", 0.5)
+    files = (*_compressed_stack_files("llama", tmp_path)[1], "cats", 0.5)
     assert room_for_rows(load_stacked(*files)) == 0  # per_pass_prefetch: no limit known
     tight = load_stacked(*files, keep_decoded="auto", policy="budget", memory_limit=1 << 20)
     assert room_for_rows(tight) == 0

@@ -91,42 +91,37 @@ class CompressedSparseMLP(SparseMLP):
                 torch.zeros(f.n_rows, dtype=torch.bool),
             )
 
-    def _read_rows(self, idx: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(up (m, up_cols), down_T (m, hidden)) of rows idx ((m,) int64 ascending; None:
-        every row): decompressed, or taken from the kept rows; asks will_read_rows for the
-        rows it reads (not the kept ones) and counts their bytes."""
+    def _decode(self, idx: np.ndarray | None, ask: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up, down_T) of rows idx ((m,) int64 ascending; None: every row) decompressed
+        from the pool; counts their bytes, and first asks will_read_rows for them (ask)."""
         f = self.frames
-        if self._kept is None:
-            missing = idx
-        else:
-            kept_up, kept_down, have = self._kept
-            at = None if idx is None else torch.from_numpy(idx)
-            if self._all_kept:
-                missing = np.empty(0, dtype=np.int64)
-            elif at is None:
-                missing = torch.arange(f.n_rows)[~have].numpy()
-            else:
-                missing = at[~have[at]].numpy()
-        if idx is not None and self.will_read_rows is not None and missing.shape[0]:
-            self.will_read_rows(torch.from_numpy(missing))
-        if self._kept is None:
-            up, down_T = f.rows(idx)
-        else:
-            if missing.shape[0]:
-                up_m, down_m = f.rows(missing)
-                rows_m = torch.from_numpy(missing)
-                kept_up[rows_m], kept_down[rows_m] = up_m, down_m
-                have[rows_m] = True
-                self._all_kept = bool(have.all())
-            if at is None:
-                up, down_T = kept_up, kept_down
-            else:
-                up, down_T = kept_up.index_select(0, at), kept_down.index_select(0, at)
-        if missing is None:
+        if idx is None:
             self._bytes_read += int(f.offsets[-1])
         else:
-            self._bytes_read += f.compressed_bytes(missing)
-        return up, down_T
+            if ask and self.will_read_rows is not None and idx.shape[0]:
+                self.will_read_rows(torch.from_numpy(idx))
+            self._bytes_read += f.compressed_bytes(idx)
+        return f.rows(idx)
+
+    def _read_rows(self, idx: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up (m, up_cols), down_T (m, hidden)) of rows idx ((m,) int64 ascending; None:
+        every row, a dense prefill): taken from the kept rows, once those not kept yet are
+        decompressed into them; without keep_decoded, all decompressed."""
+        if self._kept is None:
+            return self._decode(idx, ask=True)
+        kept_up, kept_down, have = self._kept
+        at = None if idx is None else torch.from_numpy(idx)
+        if not self._all_kept:
+            missing = torch.arange(self.frames.n_rows)[~have] if at is None else at[~have[at]]
+            if missing.shape[0]:
+                kept_up[missing], kept_down[missing] = self._decode(
+                    missing.numpy(), ask=at is not None
+                )
+                have[missing] = True
+                self._all_kept = bool(have.all())
+        if at is None:
+            return kept_up, kept_down
+        return kept_up.index_select(0, at), kept_down.index_select(0, at)
 
     @property
     def weight_dtype(self) -> torch.dtype:
