@@ -16,10 +16,12 @@ transformers its metadata allows (bmrt-kv-floor, 5.2): transformers' Cache API, 
 plugs into, moves between releases. `--editable` adds the editable-tree steps
 (`hatch run <package>:test`); so does naming them in `--only`.
 
-Two steps run side by side (`--jobs`, default 2, the CI machine's cores): the integration
-tests first, beside nothing but the C core's memcheck (the budget runner's tests refuse to
-measure while another process maps the model cache, and they drop the page cache), then
-the rest longest first, never two in one hatch environment. Each side-by-side step gets
+Two steps run side by side (`--jobs`, default 2, the CI machine's cores): the budget
+runner's tests (`tests-integration/tests/test_budget.py`) first, beside nothing but the C
+core's memcheck (they refuse to measure while another process maps the model cache, they
+drop the page cache and time throttled reads), then the rest longest first, never two in one
+hatch environment. The other integration tests are a step of their own (`integration`):
+while they were one step with the budget runner's, the second core idled for five minutes. Each side-by-side step gets
 OMP_NUM_THREADS = cores / jobs (unless it is set): two steps each running torch on both
 cores took paired-cache's wheel tests from 378 s alone to 762 s, against 562 s with one
 thread each. A step's output goes to a file while it runs and is printed whole when it
@@ -44,10 +46,11 @@ from pathlib import Path
 from _common import PACKAGES, ROOT, hatch
 from sync_envs import refresh
 
-# Steps that run with nothing beside them. The integration tests include the budget runner's,
-# which refuses to measure while another process maps a file under the model cache (the
-# limit would not bind on pages that process keeps mapped), and drop the page cache.
-ALONE = {"integration"}
+# Steps that run with nothing beside them: the budget runner's tests, which refuse to measure
+# while another process maps a file under the model cache (the limit would not bind on pages
+# that process keeps mapped), drop the page cache and time throttled reads.
+ALONE = {"budget-runner"}
+BUDGET_TESTS = "tests-integration/tests/test_budget.py"
 # Steps that may run beside those: they map no model and measure no memory or time.
 QUIET = {"memcheck"}
 # Seconds each step took in the last solo CI run (2-core machine): the scheduling order only.
@@ -55,7 +58,8 @@ SECONDS = {
     "release:diffulex-edge": 995,
     "release:moe-expert-cache": 867,
     "release:zstd-linear": 455,
-    "integration": 392,
+    "integration": 300,
+    "budget-runner": 95,
     "release:paired-cache": 378,
     "release:bmrt-kv": 323,
     "bmrt-kv-floor": 311,
@@ -134,7 +138,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         nargs="*",
-        help="steps to run (package names, bmrt-kv-floor, memcheck, integration, "
+        help="steps to run (package names, bmrt-kv-floor, memcheck, budget-runner, integration, "
         "release:<package>, release)",
     )
     parser.add_argument(
@@ -155,11 +159,12 @@ def main() -> int:
     # The hatch environment each non-release step runs in (refreshed before its first use).
     env_of = {name: name for name in PACKAGES}
     env_of.update({"bmrt-kv-floor": "bmrt-kv-floor", "memcheck": "paired-cache"})
-    env_of["integration"] = "default"
+    env_of["integration"] = env_of["budget-runner"] = "default"
     # bmrt-kv again on the oldest transformers its metadata allows (the Cache API moves).
     steps.append(("bmrt-kv-floor", [*hatch_run, "bmrt-kv-floor:test"]))
     steps.append(("memcheck", [*hatch_run, "paired-cache:memcheck"]))
-    steps.append(("integration", [*hatch_run, "default:integration"]))
+    steps.append(("budget-runner", [*hatch_run, "default:pytest", BUDGET_TESTS]))
+    steps.append(("integration", [*hatch_run, "default:integration", f"--ignore={BUDGET_TESTS}"]))
     release = [sys.executable, str(ROOT / "tools" / "release.py")]
     steps.extend(
         (f"release:{name}", [*release, name, "--tests", "--no-tag-check"]) for name in PACKAGES
