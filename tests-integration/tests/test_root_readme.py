@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 
 
 def usage(package: str) -> str:
@@ -58,14 +59,14 @@ def test_paired_cache_cell_runs_and_still_answers(smollm2):
 
 def test_bmrt_kv_cell_runs_and_bounds_the_cache(smollm2):
     import bmrt_kv
-    from bmrt_kv.evaluation import passkey_sample
+    from membound_testing import passkey_prompt
     from membound_testing.models import load_smollm2
 
     model, tokenizer = load_smollm2()  # a fresh model: the other test sparsified its own
     code = usage("bmrt-kv")
     assert code.startswith("model.generate("), code
-    sample = passkey_sample(tokenizer, 1500, key=48213, depth=0.5)
-    ids = tokenizer(sample.context + sample.question, return_tensors="pt").input_ids
+    prompt = passkey_prompt(tokenizer, 1500, key=48213, depth=0.5)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
     namespace = {**vars(bmrt_kv), "model": model, "ids": ids}
     with torch.inference_mode():
         out = eval(code, namespace)
@@ -89,7 +90,10 @@ def test_moe_expert_cache_cell_loads_the_moe_and_bounds_its_experts():
 
 def test_diffulex_edge_cell_exports_a_program_that_runs(tmp_path, monkeypatch):
     import diffulex_edge
-    from diffulex_edge.task import SortTask, sort_prompts, trained_checkpoint
+
+    # The sort model and its task live in diffulex-edge's benchmarks (not in the wheel).
+    monkeypatch.syspath_prepend(str(ROOT / "packages" / "diffulex-edge" / "benchmarks"))
+    from sort_task import SortTask, sort_prompts, trained_checkpoint
 
     code = usage("diffulex-edge")
     assert code.startswith("export_pte("), code

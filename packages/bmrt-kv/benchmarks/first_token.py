@@ -21,11 +21,11 @@ import sys
 
 import torch
 from common import write_result
+from ruler_suite import TASKS, suite_samples
 
 from bmrt_kv import BMRTConfig
-from bmrt_kv.evaluation import cache_keyword
+from bmrt_kv.hooks import cache_keyword
 from bmrt_kv.stream import BoundedStream
-from bmrt_kv.suite import TASKS, suite_samples
 
 COLUMNS = ["sample", "answer", "full", "free", "forced first token", "free first token"]
 

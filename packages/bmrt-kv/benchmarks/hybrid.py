@@ -196,8 +196,7 @@ def accuracy(args) -> None:
     import random
 
     import torch
-
-    from bmrt_kv.evaluation import passkey_sample
+    from evaluation import passkey_sample
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_hybrid(args.window, args.pattern, args.source)
@@ -275,7 +274,7 @@ def _write_accuracy(args, rows, load) -> None:
         f"Qwen2Config with the same sizes, rope and tied embeddings, sliding_window "
         f"{args.window}, layer_types {args.pattern!r} (S sliding, F full) repeated over the "
         "30 layers, q/k/v biases zero (benchmarks/hybrid.py: hybrid_dir). Each "
-        "prompt: bmrt_kv.evaluation.passkey_sample (filler, the key line at the depth, 'What "
+        "prompt: benchmarks/evaluation.py's passkey_sample (filler, the key line at the depth, 'What "
         "is the pass key? The pass key is'), model.generate greedy, 8 new tokens, "
         f"prefill_chunk_size {PREFILL_CHUNK}; own cache DynamicCache(config=model.config) "
         "(full layers keep every token, sliding layers their window); BMRTCache(model, "
@@ -294,8 +293,7 @@ def _write_accuracy(args, rows, load) -> None:
 def child(args) -> None:
     """Answer the key at ``--depth`` with one method; prints the answer on the last line."""
     import torch
-
-    from bmrt_kv.evaluation import passkey_sample
+    from evaluation import passkey_sample
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_hybrid(args.window, args.pattern)

@@ -33,7 +33,7 @@ token even when the question sits in the context. Until bmrt-kv 0.7.4 this scrip
 query-aware answers from the prefill's own last logits instead, i.e. the first answer
 token saw the whole uncompressed context, which no kvpress user gets (it decided the
 answer's format, e.g. ``: insect.`` against ``"insect"``, on the single-word task).
-``--tasks`` runs the RULER-style suite (``bmrt_kv.suite``) instead of the pass key, and
+``--tasks`` runs the RULER-style suite (``ruler_suite.py``) instead of the pass key, and
 writes ``results/<name>.json`` with a task column.
 """
 
@@ -48,9 +48,8 @@ import time
 
 import torch
 from common import earlier_result, write_result
-
-from bmrt_kv.evaluation import passkey_samples
-from bmrt_kv.suite import TASKS, suite_samples
+from evaluation import passkey_samples
+from ruler_suite import TASKS, suite_samples
 
 PRESSES = ["streaming_llm", "snapkv", "tova", "expected_attention", "keydiff"]
 COLUMNS = ["tokens", "task", "method", "B", "scoring", "correct", "kept tokens/layer"]

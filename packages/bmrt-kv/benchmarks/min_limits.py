@@ -43,8 +43,8 @@ PASS_KEY = 48213
 def child(method: str, tokens: int, budget: int) -> None:
     """Answer the pass key with ``method``; prints the answer on the last line."""
     import torch
+    from evaluation import passkey_sample
 
-    from bmrt_kv.evaluation import passkey_sample
     from membound_testing import load_smollm2
 
     torch.set_num_threads(2)
@@ -62,8 +62,9 @@ def child(method: str, tokens: int, budget: int) -> None:
             model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         text = answer(model, tokenizer, cache, ids.shape[1], question.input_ids, 8)
     else:
+        from evaluation import run_sample
+
         from bmrt_kv import BMRTConfig
-        from bmrt_kv.evaluation import run_sample
 
         config = None
         if method != "full":

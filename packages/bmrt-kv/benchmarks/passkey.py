@@ -19,10 +19,10 @@ import time
 
 import torch
 from common import COMMAND, add_run_flags, earlier_result, run_config, runs, write_result
+from evaluation import multikey_sample, passkey_samples, run_sample
 
 from bmrt_kv import SELECTORS
 from bmrt_kv.config import DEFAULT_BLOCK_SIZE
-from bmrt_kv.evaluation import multikey_sample, passkey_samples, run_sample
 
 
 def samples_for(tokenizer, n_tokens: int, count: int, multikey: int, seed: int):

@@ -24,9 +24,9 @@ from common import write_result
 
 def child(n_tokens: int, budget: int, positions: str, selector: str) -> None:
     import torch
+    from evaluation import passkey_sample, run_sample
 
     from bmrt_kv import BMRTConfig
-    from bmrt_kv.evaluation import passkey_sample, run_sample
     from membound_testing import load_smollm2
 
     torch.set_num_threads(2)

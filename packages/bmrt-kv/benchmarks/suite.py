@@ -1,4 +1,4 @@
-"""The RULER-style suite (bmrt_kv.suite) on SmolLM2-135M-Instruct: selectors x budgets x
+"""The RULER-style suite (ruler_suite.py) on SmolLM2-135M-Instruct: selectors x budgets x
 scoring modes against the full cache, per task and length, exact match.
 
 The full protocol of #18 is 4k and 8k tokens, 20 samples per task and length, B = 256 /
@@ -20,11 +20,11 @@ import time
 
 import torch
 from common import add_run_flags, earlier_result, run_config, runs, write_result
+from evaluation import run_sample
+from ruler_suite import TASKS, suite_samples
 
 from bmrt_kv import SELECTORS
 from bmrt_kv.config import DEFAULT_BLOCK_SIZE
-from bmrt_kv.evaluation import run_sample
-from bmrt_kv.suite import TASKS, suite_samples
 
 COLUMNS = ["tokens", "task", "selector", "B", "scoring", "correct", "peak KV MiB", "s/sample"]
 

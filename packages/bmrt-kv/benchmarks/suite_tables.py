@@ -21,9 +21,9 @@ from collections import defaultdict
 from fractions import Fraction
 
 from common import QUERY_FREE, RESULTS, block_label, write_result
+from ruler_suite import TASKS
 
 from bmrt_kv import BMRTConfig
-from bmrt_kv.suite import TASKS
 
 MODES = ("query_aware", "agnostic")
 

@@ -220,7 +220,7 @@ def smoke(config) -> None:
     if config.scoring == "query_aware" and config.block_tokens < 2:
         # No room for a question next to a block: drive the cache directly, as a caller
         # that supplies the scoring-only tokens itself (here none) would.
-        cache = BMRTCache(model, config, _question_supplied=True)
+        cache = BMRTCache._with_question(model, config)
         with torch.no_grad():
             for token in ids:
                 model(input_ids=torch.tensor([[token]]), past_key_values=cache)

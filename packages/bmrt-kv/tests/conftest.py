@@ -1,6 +1,14 @@
-"""Tiny random models of each supported family (session scope) and the real SmolLM2."""
+"""Tiny random models of each supported family (session scope) and the real SmolLM2.
+
+The evaluation code (the pass key, the RULER-style suite, benchmarks/retrieval.py) lives in
+benchmarks/, out of the wheel; the tests run from a checkout (the release check too, against
+the installed wheel), so they import it from there.
+"""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +22,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 VOCAB = 97
 _COMMON = dict(

@@ -1,8 +1,9 @@
+"""The pass-key samples of benchmarks/evaluation.py (llama.cpp's protocol)."""
+
 import random
 
 import pytest
-
-from bmrt_kv.evaluation import first_number, multikey_sample, passkey_sample, passkey_samples
+from evaluation import first_number, multikey_sample, passkey_sample, passkey_samples
 
 
 def test_passkey_sample_follows_the_protocol(smollm2):

@@ -130,6 +130,19 @@ def test_query_aware_without_a_question_is_refused(model):
     assert hook_count(model) == 0
 
 
+def test_the_question_flag_is_not_public(model):
+    """Only BoundedStream, which passes the question itself, may build a query-aware cache:
+    the flag that allows it is no argument of BMRTCache (#56)."""
+    assert list(inspect.signature(BMRTCache).parameters) == ["model", "config", "overrides"]
+    config = BMRTConfig(budget=12, protection_divisor=3, block_size=8, scoring="query_aware")
+    with pytest.raises(BMRTError, match=r"unknown BMRTConfig fields \['_question_supplied'\]"):
+        BMRTCache(model, config, _question_supplied=True)
+    assert hook_count(model) == 0
+    with BoundedStream(model, config=config, question=[5, 6]) as stream:
+        assert stream.cache.config.scoring == "query_aware" and stream.cache.attached
+    assert hook_count(model) == 0
+
+
 def test_a_question_with_agnostic_scoring_is_refused(model):
     with pytest.raises(BMRTError, match="agnostic"):
         BoundedStream(model, config=CONFIG, question=[5, 6])

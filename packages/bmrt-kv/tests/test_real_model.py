@@ -1,11 +1,11 @@
 """The embedded SmolLM2-135M-Instruct through the bounded cache, the stream and the CLI."""
 
 import torch
+from evaluation import passkey_sample, run_sample
 from transformers import DynamicCache
 
 from bmrt_kv import BMRTCache, BMRTConfig
 from bmrt_kv.cli import main
-from bmrt_kv.evaluation import passkey_sample, run_sample
 
 
 def test_large_budget_equals_the_full_cache(smollm2):

@@ -4,10 +4,10 @@ RULER's all-or-nothing scoring."""
 import re
 
 import pytest
+from evaluation import Sample
+from ruler_suite import TASKS, make_sample, suite_samples
 
 from bmrt_kv import BMRTError
-from bmrt_kv.evaluation import Sample
-from bmrt_kv.suite import TASKS, make_sample, suite_samples
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 from torch import nn
@@ -47,28 +47,40 @@ class BMRTCache(Cache):
         model: a transformers causal LM whose layers are full or sliding-window attention
             (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite,
             SmolLM3; see the README's support table).
-        config: the :class:`BMRTConfig`; keyword ``overrides`` replace its fields.
+        config: the :class:`BMRTConfig` (None: the defaults).
+        **overrides: fields that replace the config's (``budget=256``).
 
     Raises:
-        BMRTError: a bad config, or a model it cannot cache (naming its ``model_type`` and
-            what is missing); nothing is attached then.
+        BMRTError: a bad config or an unknown override, or a model it cannot cache (naming
+            its ``model_type`` and what is missing); nothing is attached then.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: BMRTConfig | None = None,
-        *,
-        _question_supplied: bool = False,
-        **overrides,
-    ):
+    def __init__(self, model: nn.Module, config: BMRTConfig | None = None, **overrides):
+        self._build(model, config, overrides, question_supplied=False)
+
+    @classmethod
+    def _with_question(cls, model: nn.Module, config: BMRTConfig) -> BMRTCache:
+        """A cache whose caller passes the question's tokens itself, as the last tokens of
+        a forward (``scoring_only_tokens``): query-aware scoring is allowed. For
+        :class:`~bmrt_kv.stream.BoundedStream`; users pass ``question=`` to the stream."""
+        cache = cls.__new__(cls)
+        cache._build(model, config, {}, question_supplied=True)
+        return cache
+
+    def _build(
+        self, model: nn.Module, config: BMRTConfig | None, overrides: dict, question_supplied: bool
+    ) -> None:
         config = BMRTConfig() if config is None else config
         if not isinstance(config, BMRTConfig):
             raise BMRTError(f"config must be a BMRTConfig, got {type(config).__name__}")
+        names = [f.name for f in fields(BMRTConfig)]
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise BMRTError(f"unknown BMRTConfig fields {unknown}; the fields are {names}")
         # replace() runs the checks again: a config changed since it was built (or an
         # override) is validated before any layer exists.
         config = replace(config, **overrides)
-        if config.scoring == "query_aware" and not _question_supplied:
+        if config.scoring == "query_aware" and not question_supplied:
             raise BMRTError(
                 "scoring='query_aware' needs the question, which model.generate() never "
                 "passes to a cache; use BoundedStream(model, tokenizer, config, "
@@ -111,24 +123,50 @@ class BMRTCache(Cache):
         self.detach()
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Refuse beam search.
+
+        Args:
+            beam_idx: (b,) int64, the rows' new order.
+
+        Raises:
+            BMRTError: always; each row keeps its own tokens.
+        """
         raise BMRTError(
             "BMRTCache does not support beam search (num_beams > 1): each row keeps its own "
             "tokens, so beams cannot be reordered; use greedy or sampled decoding"
         )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refuse to expand the rows.
+
+        Args:
+            repeats: copies of each row asked for.
+
+        Raises:
+            BMRTError: always; pass one row per sequence from the start.
+        """
         raise BMRTError(
             "BMRTCache cannot be expanded to more rows (beam search, num_return_sequences "
             "> 1); pass one row per sequence from the start"
         )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refuse to select rows.
+
+        Args:
+            indices: (n,) int64, the rows asked for.
+
+        Raises:
+            BMRTError: always.
+        """
         raise BMRTError("BMRTCache rows cannot be selected or reordered after prefill")
 
     def finish_layer(self, layer_idx: int, queries: torch.Tensor) -> None:
-        """Called by the attention hook after layer ``layer_idx``'s attention ran.
+        """Compress layer ``layer_idx``; called by the attention hook after its attention ran.
 
-        queries: (b, H, T, hd) rotated queries of the forward's T tokens.
+        Args:
+            layer_idx: the layer's index in the model.
+            queries: (b, H, T, hd) float, rotated queries of the forward's T tokens.
         """
         self.layers[layer_idx].finish(queries, self.scoring_only_tokens)
 
@@ -149,14 +187,21 @@ class BMRTCache(Cache):
         ]
 
     def kv_bytes(self) -> int:
-        """Bytes of keys and values held now, all layers (sliding-window ones included)."""
+        """Bytes of keys and values held now.
+
+        Returns:
+            The sum over all layers, sliding-window ones included.
+        """
         return sum(
             layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
         )
 
     def peak_kv_bytes(self) -> int:
-        """Bytes of keys and values at each layer's largest size (during a block), all
-        layers (sliding-window ones included)."""
+        """Bytes of keys and values at each layer's largest size (during a block).
+
+        Returns:
+            The sum over all layers, sliding-window ones included.
+        """
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
@@ -170,7 +215,19 @@ class BMRTCache(Cache):
 def attached(model: nn.Module, config=None, **overrides):
     """``with bmrt_kv.attached(model, config) as cache:`` a :class:`~bmrt_kv.BMRTCache`
     whose hooks are removed when the block ends, error or not; the model is then exactly
-    as it was. ``config`` and ``overrides`` are :class:`~bmrt_kv.BMRTCache`'s."""
+    as it was.
+
+    Args:
+        model: a supported transformers causal LM.
+        config: the :class:`BMRTConfig` (None: the defaults).
+        **overrides: fields that replace the config's.
+
+    Yields:
+        The attached :class:`~bmrt_kv.BMRTCache`.
+
+    Raises:
+        BMRTError: as :class:`~bmrt_kv.BMRTCache`; nothing is attached then.
+    """
     cache = BMRTCache(model, config, **overrides)
     try:
         yield cache

@@ -1,13 +1,14 @@
-"""``bmrt-kv run`` (read a file, answer a question) and ``bmrt-kv eval`` (pass-key retrieval
-and the RULER-style suite's tasks)."""
+"""``bmrt-kv run``: read a file of any length through a bounded cache and answer a question.
+
+The retrieval evaluation (``bmrt-kv eval`` before 0.11.0: the pass key and the
+RULER-style suite's tasks) is not part of the wheel: it runs from a checkout of the
+repository as ``python packages/bmrt-kv/benchmarks/retrieval.py``, with the same options.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from bmrt_kv.config import (
@@ -19,10 +20,18 @@ from bmrt_kv.config import (
 )
 from bmrt_kv.errors import BMRTError
 from bmrt_kv.selectors import SELECTORS, TIE_BREAKERS
-from bmrt_kv.suite import TASKS
+
+#: Where the retrieval evaluation lives, relative to a checkout of the repository.
+RETRIEVAL_SCRIPT = "packages/bmrt-kv/benchmarks/retrieval.py"
 
 
-def _add_cache_args(parser: argparse.ArgumentParser) -> None:
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """Add the cache flags ``run`` shares with ``benchmarks/retrieval.py``.
+
+    Args:
+        parser: the (sub)command's parser; gets ``--model`` and every
+            :class:`BMRTConfig` flag but the budget and the selector.
+    """
     parser.add_argument(
         "--model",
         required=True,
@@ -72,11 +81,24 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         help="query-aware scoring: the question's share of the scoring weight, in (0, 1]",
     )
     parser.add_argument(
-        "--seed", type=int, default=BMRTConfig.seed, help="LSH hyperplanes; eval's samples"
+        "--seed", type=int, default=BMRTConfig.seed, help="LSH hyperplanes; retrieval.py's samples"
     )
 
 
-def _config(args, budget: int, selector: str) -> BMRTConfig:
+def cache_config(args: argparse.Namespace, budget: int, selector: str) -> BMRTConfig:
+    """The :class:`BMRTConfig` the flags of :func:`add_cache_args` describe.
+
+    Args:
+        args: the parsed flags.
+        budget: ``B``, tokens kept per layer.
+        selector: a name in :data:`bmrt_kv.SELECTORS`.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        BMRTError: a flag that does not apply to ``selector``, or a bad value.
+    """
     options = {}
     if args.tie_breaker is not None:
         if selector != "lsh":
@@ -101,8 +123,19 @@ def _config(args, budget: int, selector: str) -> BMRTConfig:
 
 
 def load_model(model: str):
-    """(model, tokenizer) from a transformers model directory or a ``.gguf`` file (which
-    transformers dequantises to float32; needs the ``gguf`` package)."""
+    """Load a causal LM and its tokenizer for the command line.
+
+    Args:
+        model: a transformers model directory, or a ``.gguf`` file (which transformers
+            dequantises to float32; needs the ``gguf`` package).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode and float32.
+
+    Raises:
+        BMRTError: no such path, a file that is not ``.gguf``, or a directory without
+            ``config.json``.
+    """
     path = Path(model)
     if not path.exists():
         raise BMRTError(f"--model {model}: no such directory or .gguf file")
@@ -125,9 +158,16 @@ def load_model(model: str):
 
 
 def chat_frame(tokenizer) -> tuple[str, str]:
-    """The text before and after one user message in the tokenizer's chat template, or
-    ``("", "")`` for a model without one: the document is streamed inside a user turn
-    and the question closes it, so an instruct model answers instead of continuing."""
+    """The text around one user message in the tokenizer's chat template: the document is
+    streamed inside a user turn and the question closes it, so an instruct model answers
+    instead of continuing.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+
+    Returns:
+        ``(before, after)`` the message, or ``("", "")`` for a model without a template.
+    """
     if not getattr(tokenizer, "chat_template", None):
         return "", ""
     marker = "\x00MESSAGE\x00"
@@ -139,9 +179,17 @@ def chat_frame(tokenizer) -> tuple[str, str]:
 
 
 def cmd_run(args) -> int:
+    """``bmrt-kv run``: stream the file, ask the question, print the answer.
+
+    Args:
+        args: the parsed flags of the ``run`` subcommand.
+
+    Returns:
+        0 (errors raise).
+    """
     from bmrt_kv.stream import BoundedStream
 
-    config = _config(args, args.budget, args.selector)
+    config = cache_config(args, args.budget, args.selector)
     source = Path(args.file)
     if not source.is_file():
         raise BMRTError(f"{args.file}: no such file to read")
@@ -168,72 +216,28 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-    from tqdm.auto import tqdm
+def cmd_eval_moved(args) -> int:
+    """``bmrt-kv eval``: the evaluation left the wheel; say where it is now.
 
-    from bmrt_kv.evaluation import passkey_samples, run_sample
-    from bmrt_kv.suite import suite_samples
+    Args:
+        args: ignored; any arguments get the same answer.
 
-    runs = [("full", None, None)] if args.full else []
-    runs += [(s, b, _config(args, b, s)) for s in args.selectors for b in args.budgets]
-    model, tokenizer = load_model(args.model)
-    rows = []
-    # One bar over every sample of every run, so its ETA is the whole evaluation's.
-    total = len(args.lengths) * len(args.tasks) * len(runs) * args.samples
-    with tqdm(total=total, desc="eval", unit="sample") as bar:
-        for n_tokens in args.lengths:
-            suite = [t for t in args.tasks if t != "passkey"]
-            by_task = suite_samples(tokenizer, n_tokens, args.samples, args.seed, suite)
-            if "passkey" in args.tasks:
-                by_task["passkey"] = passkey_samples(tokenizer, n_tokens, args.samples, args.seed)
-            for task in args.tasks:
-                samples = by_task[task]
-                for name, budget, config in runs:
-                    bar.set_postfix_str(f"{task} {name} B={budget} {n_tokens} tok")
-                    results = []
-                    for sample in samples:
-                        results.append(
-                            run_sample(
-                                model,
-                                tokenizer,
-                                sample,
-                                config,
-                                args.block_size or DEFAULT_BLOCK_SIZE,
-                            )
-                        )
-                        bar.update()
-                    row = {
-                        "task": task,
-                        "tokens": n_tokens,
-                        "selector": name,
-                        "budget": budget,
-                        "accuracy": sum(r["correct"] for r in results) / len(results),
-                        "samples": len(results),
-                    }
-                    rows.append(row)
-                    tqdm.write(json.dumps(row))
-    if args.out:
-        _write_json(Path(args.out), rows)
-    return 0
-
-
-def _write_json(path: Path, data) -> None:
-    """Write ``data`` as JSON through a temporary file and a rename, so a killed run
-    leaves no half-written file; the file gets the process's umask, not mkstemp's 0600."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    Raises:
+        BMRTError: always, naming the script to run from a checkout.
+    """
+    raise BMRTError(
+        "`bmrt-kv eval` left the bmrt-kv wheel in 0.11.0 with the evaluation code it ran; "
+        f"from a checkout of the repository, run `python {RETRIEVAL_SCRIPT}` with the same "
+        "options (--model, --tasks, --lengths, --samples, --budgets, --selectors, ...)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``bmrt-kv`` command line.
+
+    Returns:
+        The parser; every option's default shows in ``--help``.
+    """
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="bmrt-kv", description=__doc__, formatter_class=formatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -251,51 +255,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="which tokens the long-term slots keep",
     )
     run.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit")
-    _add_cache_args(run)
+    add_cache_args(run)
     run.set_defaults(handler=cmd_run)
 
-    ev = commands.add_parser(
+    moved = commands.add_parser(
         "eval",
-        help="retrieval accuracy, pass key or the RULER-style suite's tasks (long: every "
-        "length x task x selector x budget x sample; the bar shows the whole run's ETA)",
-        formatter_class=formatter,
+        help="moved out of the wheel in 0.11.0: run benchmarks/retrieval.py from a checkout",
+        add_help=False,
     )
-    ev.add_argument(
-        "--tasks",
-        nargs="+",
-        choices=("passkey", *TASKS),
-        default=["passkey"],
-        help="passkey, or tasks of the RULER-style suite (bmrt_kv.suite), scored by exact match",
-    )
-    ev.add_argument(
-        "--lengths", type=int, nargs="+", default=[2000, 4000, 7500], help="context tokens"
-    )
-    ev.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    ev.add_argument(
-        "--budgets", type=int, nargs="+", default=[256, 512, 1024], help="B values to try"
-    )
-    ev.add_argument(
-        "--selectors",
-        nargs="+",
-        choices=sorted(SELECTORS),
-        default=sorted(SELECTORS),
-        help="selectors to try",
-    )
-    ev.add_argument(
-        "--full",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also run the full cache (the ceiling)",
-    )
-    ev.add_argument("--out", help="write the rows as JSON here")
-    _add_cache_args(ev)
-    ev.set_defaults(handler=cmd_eval)
+    moved.set_defaults(handler=cmd_eval_moved)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``bmrt-kv`` entry point; an expected failure is one line and exit status 2.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status, 0 on success.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `eval` takes whatever follows it, to say where it moved instead of rejecting a flag.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "eval":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.handler(args)
     except (ValueError, OSError) as err:

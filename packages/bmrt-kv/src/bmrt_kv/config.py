@@ -107,7 +107,17 @@ class BMRTConfig:
     @classmethod
     def from_dict(cls, data) -> BMRTConfig:
         """A config from a mapping of field names (e.g. parsed JSON); unknown keys are an
-        error, not ignored, so a misspelt field cannot fall back to its default unseen."""
+        error, not ignored, so a misspelt field cannot fall back to its default unseen.
+
+        Args:
+            data: a dict of :class:`BMRTConfig` field names to values.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            BMRTError: not a dict of names, an unknown field, or a bad value.
+        """
         if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
             raise BMRTError(f"a BMRTConfig needs a dict of field names, got {data!r:.80}")
         known = {f.name for f in fields(cls)}

@@ -46,7 +46,14 @@ _ATTACHMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def call_cache(kwargs: dict):
     """The cache a model call was given: transformers 5.24 renamed the keyword argument
     from ``past_key_values`` to ``cache`` (the old name is still accepted from callers and
-    renamed by the model's forward, after forward pre-hooks have run)."""
+    renamed by the model's forward, after forward pre-hooks have run).
+
+    Args:
+        kwargs: the keyword arguments of a model or attention call.
+
+    Returns:
+        The cache passed under either name, or None.
+    """
     cache = kwargs.get("cache")
     return cache if cache is not None else kwargs.get("past_key_values")
 
@@ -54,7 +61,14 @@ def call_cache(kwargs: dict):
 def cache_keyword(model: nn.Module) -> str:
     """The keyword this transformers release's ``model(...)`` takes the cache by:
     ``"cache"`` from 5.24, ``"past_key_values"`` before (5.24 still accepts the old name,
-    with a FutureWarning)."""
+    with a FutureWarning).
+
+    Args:
+        model: a transformers model.
+
+    Returns:
+        ``"cache"`` or ``"past_key_values"``.
+    """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -98,7 +112,12 @@ class Attachment:
 
 
 def detach(model: nn.Module) -> None:
-    """Remove the hooks of every :class:`~bmrt_kv.BMRTCache` attached to ``model``."""
+    """Remove the hooks of every :class:`~bmrt_kv.BMRTCache` attached to ``model``
+    (idempotent); the model is then as it was.
+
+    Args:
+        model: a model any number of caches (none included) were attached to.
+    """
     for attachment in list(_ATTACHMENTS.pop(model, ())):
         attachment.remove()
 

@@ -61,7 +61,10 @@ class BoundedStream:
         self.tokenizer = tokenizer
         self.progress = progress
         self.question_ids = self._question_ids(question)
-        self.cache = BMRTCache(model, self.config, _question_supplied=self.question_ids is not None)
+        if self.question_ids is None:
+            self.cache = BMRTCache(model, self.config)
+        else:
+            self.cache = BMRTCache._with_question(model, self.config)
         self._cache_keyword = cache_keyword(model)
         self.stats = StreamStats()
         self._next_logits: torch.Tensor | None = None
@@ -100,7 +103,18 @@ class BoundedStream:
 
     @torch.inference_mode()
     def feed(self, data: str | list[int] | torch.Tensor) -> int:
-        """Read ``data`` (text, or token ids (T,) / (1, T)); returns tokens fed."""
+        """Read ``data`` through the cache, block by block.
+
+        Args:
+            data: text (the first feed adds the tokenizer's special tokens), or token ids,
+                a list or a (T,) / (1, T) int64 tensor.
+
+        Returns:
+            The number of tokens fed.
+
+        Raises:
+            BMRTError: text without a tokenizer.
+        """
         self._flush_pending()
         ids = self._encode(data, special=self.cache.get_seq_length() == 0)
         n_question = 0 if self.question_ids is None else self.question_ids.shape[-1]
@@ -133,10 +147,20 @@ class BoundedStream:
 
     @torch.inference_mode()
     def generate(self, prompt=None, max_new_tokens: int = 32) -> list[int]:
-        """Feed ``prompt`` (optional) then decode greedily; returns the new token ids.
+        """Feed ``prompt`` (optional) then decode greedily.
 
         Decoding stops at the tokenizer's EOS token; every step compresses again once
         the cache would pass the budget.
+
+        Args:
+            prompt: text or token ids, as :meth:`feed` takes; None continues from what was fed.
+            max_new_tokens: the most tokens to decode, >= 1.
+
+        Returns:
+            The new token ids, the EOS token included when it ended the answer.
+
+        Raises:
+            BMRTError: a bad ``max_new_tokens``, or nothing fed yet.
         """
         if (
             isinstance(max_new_tokens, bool)
@@ -185,7 +209,18 @@ class BoundedStream:
         self.close()
 
     def ask(self, question: str, max_new_tokens: int = 32) -> str:
-        """Feed ``question`` and return the decoded greedy answer."""
+        """Feed ``question`` and answer it greedily.
+
+        Args:
+            question: the text that closes the prompt.
+            max_new_tokens: the most tokens to decode, >= 1.
+
+        Returns:
+            The decoded answer, special tokens dropped and whitespace stripped.
+
+        Raises:
+            BMRTError: a stream without a tokenizer.
+        """
         if self.tokenizer is None:
             raise BMRTError("ask() needs a tokenizer")
         new = self.generate(question, max_new_tokens)

@@ -82,12 +82,33 @@ class Selector(ABC):
         return False
 
     def option(self, option: str, value, low: int, high: int, odd: bool = False) -> int:
-        """Check an int option of this selector; errors name the selector and the option."""
+        """Check an int option of this selector.
+
+        Args:
+            option: the option's name, for the error.
+            value: the value given.
+            low: the smallest allowed value.
+            high: the largest allowed value.
+            odd: whether the value must be odd.
+
+        Returns:
+            ``value``.
+
+        Raises:
+            BMRTError: naming the selector and the option, for a value out of range.
+        """
         return check_int(f"selector {self.name!r} option {option!r}", value, low, high, odd)
 
     @abstractmethod
     def score(self, pool: Pool) -> torch.Tensor:
-        """Relevance of every pool token: (b, h, P) float64 (non-candidates are ignored)."""
+        """Relevance of every pool token.
+
+        Args:
+            pool: the layer's pool.
+
+        Returns:
+            (b, h, P) float64 scores, higher is more relevant (non-candidates are ignored).
+        """
 
     def select(
         self, pool: Pool, k: int, shared: bool = False, exclude: torch.Tensor | None = None
@@ -109,7 +130,20 @@ class Selector(ABC):
 
 
 def top_k(scores: torch.Tensor, eligible: torch.Tensor, k: int, shared: bool) -> torch.Tensor:
-    """Stable top-``k`` of ``scores`` (b, h, P) among ``eligible`` (b, h, P) -> (b, h, k)."""
+    """Stable top-``k``: ties keep pool order.
+
+    Args:
+        scores: (b, h, P) float.
+        eligible: (b, h, P) bool, the tokens that may be picked.
+        k: how many to pick.
+        shared: one index for all heads (scores summed over heads).
+
+    Returns:
+        (b, h, k) int64 indices into P.
+
+    Raises:
+        BMRTError: fewer than ``k`` eligible tokens in some row.
+    """
     b, h, _ = scores.shape
     if shared:
         # Shared index: the heads agree on one token set, so rank by the summed relevance.

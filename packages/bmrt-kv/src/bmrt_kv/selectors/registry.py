@@ -13,10 +13,19 @@ SELECTORS: dict[str, type[Selector]] = {}
 
 
 def make_selector(name: str, options: dict | None = None, seed: int = 0) -> Selector:
-    """Instantiate the selector registered as ``name`` with keyword ``options``.
+    """Instantiate the selector registered as ``name``.
 
-    Raises :class:`~bmrt_kv.BMRTError` naming the selector and the option for an unknown
-    option or a bad value.
+    Args:
+        name: a key of :data:`SELECTORS`.
+        options: the selector's keyword options (None: its defaults).
+        seed: seeds its random projections.
+
+    Returns:
+        The selector.
+
+    Raises:
+        BMRTError: an unknown name, an unknown option or a bad value, naming the selector
+            and the option.
     """
     check_choice("selector", name, SELECTORS)
     options = {} if options is None else options

@@ -14,18 +14,42 @@ _EPS = 1e-6
 
 
 def l2_to_mean(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Euclidean distance to the mean query: O(P * hd)."""
+    """Euclidean distance to the mean query: O(P * hd).
+
+    Args:
+        keys: (b, h, P, hd) float, the candidates' rotated keys.
+        queries: (b, h, Q, hd) float, the scoring queries.
+
+    Returns:
+        (b, h, P) float distances; a smaller one wins a tie.
+    """
     mean = queries.float().mean(dim=-2, keepdim=True)  # (b, h, 1, hd)
     return (keys.float() - mean).norm(dim=-1)
 
 
 def max_sim(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Distance to the nearest query: O(Q * P * hd)."""
+    """Distance to the nearest query: O(Q * P * hd).
+
+    Args:
+        keys: (b, h, P, hd) float, the candidates' rotated keys.
+        queries: (b, h, Q, hd) float, the scoring queries.
+
+    Returns:
+        (b, h, P) float distances; a smaller one wins a tie.
+    """
     return torch.cdist(keys.float(), queries.float()).amin(dim=-1)
 
 
 def mahalanobis(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Diagonal Mahalanobis distance to the query distribution (variance-weighted l2)."""
+    """Diagonal Mahalanobis distance to the query distribution (variance-weighted l2).
+
+    Args:
+        keys: (b, h, P, hd) float, the candidates' rotated keys.
+        queries: (b, h, Q, hd) float, the scoring queries.
+
+    Returns:
+        (b, h, P) float distances; a smaller one wins a tie.
+    """
     q = queries.float()
     mean = q.mean(dim=-2, keepdim=True)
     # Population variance (a single query has zero variance); eps guards flat dimensions.
@@ -34,7 +58,15 @@ def mahalanobis(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
 
 
 def partitioned_centroid(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """Distance to the nearest of k contiguous query-chunk centroids, k = max(1, Q // 16) <= 8."""
+    """Distance to the nearest of k contiguous query-chunk centroids, k = max(1, Q // 16) <= 8.
+
+    Args:
+        keys: (b, h, P, hd) float, the candidates' rotated keys.
+        queries: (b, h, Q, hd) float, the scoring queries.
+
+    Returns:
+        (b, h, P) float distances; a smaller one wins a tie.
+    """
     q = queries.float()
     n_queries = q.shape[-2]
     k = min(8, max(1, n_queries // 16))
@@ -43,7 +75,15 @@ def partitioned_centroid(keys: torch.Tensor, queries: torch.Tensor) -> torch.Ten
 
 
 def no_tiebreak(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """All equal: ties keep pool order (the stable sort), older tokens first."""
+    """All equal: ties keep pool order (the stable sort), older tokens first.
+
+    Args:
+        keys: (b, h, P, hd) float, the candidates' rotated keys.
+        queries: (b, h, Q, hd) float, the scoring queries.
+
+    Returns:
+        (b, h, P) float distances; a smaller one wins a tie.
+    """
     return torch.zeros(keys.shape[:-1], device=keys.device)
 
 
@@ -57,10 +97,16 @@ TIE_BREAKERS: dict[str, TieBreaker] = {
 
 
 def tiebreak_bonus(distance: torch.Tensor) -> torch.Tensor:
-    """Map distances (b, h, P) to a bonus in (0, 1), higher for nearer, by rank.
+    """Map distances to a bonus in (0, 1), higher for nearer, by rank.
 
     Adding it to an integer collision count gives a score whose order is exactly
     (count descending, distance ascending); equal distances keep pool order.
+
+    Args:
+        distance: (b, h, P) float, a tie-breaker's distances.
+
+    Returns:
+        (b, h, P) float64 bonuses.
     """
     p = distance.shape[-1]
     order = torch.sort(distance, dim=-1, stable=True).indices

@@ -23,8 +23,9 @@ from __future__ import annotations
 import random
 from itertools import pairwise
 
+from evaluation import FILLER, Sample
+
 from bmrt_kv.errors import BMRTError, check_int
-from bmrt_kv.evaluation import FILLER, Sample
 
 TASKS = (
     "single_number",
