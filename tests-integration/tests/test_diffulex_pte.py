@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,8 +13,11 @@ from diffulex_edge import EagerDynamic, GenerationConfig, PteEngine, export_pte,
 from diffulex_edge.backends import Backend
 from diffulex_edge.config import tiny_config
 from diffulex_edge.export import EXPORT_VARIANTS
-from diffulex_edge.model import random_model
 from diffulex_edge.remasking import REMASKING
+
+# The test-model builder is not in the wheel: diffulex-edge keeps it in its benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages/diffulex-edge/benchmarks"))
+from random_sdar import random_model
 
 
 class Lockstep(Backend):

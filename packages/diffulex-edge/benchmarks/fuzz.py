@@ -25,7 +25,6 @@ import torch
 
 from diffulex_edge.config import tiny_config
 from diffulex_edge.export import export_pte
-from diffulex_edge.model import random_model
 from membound_testing import fuzz
 from membound_testing.results import write_result
 
@@ -34,6 +33,7 @@ TESTS = HERE.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
 from fuzz_checkers import checkpoint_targets, pte_targets  # noqa: E402
+from random_sdar import random_model  # noqa: E402  (benchmarks/, the script's folder)
 
 CLEAN = ["diffulex_edge.DiffulexEdgeError"]
 COLUMNS = ["loader", "file", "mutants", "clean", "unclear", "crash", "hang", "silent", "benign"]

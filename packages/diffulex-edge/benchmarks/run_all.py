@@ -1,6 +1,6 @@
 """All diffulex-edge benchmarks: ``hatch run diffulex-edge:bench [--quick]``.
 
-1. decode: the bundled trained model (8-digit sorting) — eager vs .pte tokens/s, tokens per
+1. decode: the toy trained model (8-digit sorting, ``checkpoints/sort8``) — eager vs .pte tokens/s, tokens per
    forward and exact match for each remasking; .pte MiB, static KV bytes, peak RSS; 8da4w.
 2. export_variants: cache-as-I/O vs StaticAttention-style graphs — bytes moved per step
    (computed from the layout) and measured .pte step latency, side by side.
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 from measure import interleaved_median, median, step_bytes  # benchmarks/measure.py
+from random_sdar import random_model  # benchmarks/random_sdar.py
+from sort_task import run_sort_task, sort_prompts, trained_checkpoint  # benchmarks/sort_task.py
 
 from diffulex_edge.backends import EagerDynamic
 from diffulex_edge.checkpoint import load_checkpoint
@@ -31,9 +33,7 @@ from diffulex_edge.export import export_pte
 from diffulex_edge.generate import GenerationConfig, generate
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
-from diffulex_edge.model import random_model
 from diffulex_edge.runtime import PteEngine
-from diffulex_edge.task import run_sort_task, sort_prompts, trained_checkpoint
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

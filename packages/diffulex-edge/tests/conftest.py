@@ -1,13 +1,25 @@
-"""Session fixtures: one seeded tiny SDAR model and its three real .pte exports."""
+"""Session fixtures: one seeded tiny SDAR model and its three real .pte exports.
+
+The test models, the toy sorting task and its checkpoint are not in the wheel (#56): they
+live in ``benchmarks/`` (``random_sdar.py``, ``sort_task.py``, ``checkpoints/sort8``), which
+is put on ``sys.path`` here for every test module.
+"""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from diffulex_edge.config import tiny_config
-from diffulex_edge.export import export_pte
-from diffulex_edge.model import random_model
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from random_sdar import random_model  # noqa: E402
+
+from diffulex_edge.config import tiny_config  # noqa: E402
+from diffulex_edge.export import export_pte  # noqa: E402
 
 MAX_SEQ = 64
 BLOCK = 4

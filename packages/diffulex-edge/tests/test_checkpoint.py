@@ -181,7 +181,7 @@ def test_tied_config_with_a_different_saved_lm_head_is_refused(model, tmp_path):
 
 
 def test_tied_checkpoint_round_trips(tmp_path):
-    from diffulex_edge.model import random_model
+    from random_sdar import random_model
 
     tied = random_model(tiny_config(tie_word_embeddings=True), seed=1)
     save_checkpoint(tied, tmp_path)

@@ -6,14 +6,25 @@ import re
 import pytest
 import torch
 import transformers
+from random_sdar import random_model
+from sort_task import trained_checkpoint
 
-from diffulex_edge.cli import build_parser, main
+from diffulex_edge.cli import (
+    BENCH_MOVED,
+    NO_SOURCE,
+    SORT8_CHECKOUT,
+    _tiny_model,
+    build_parser,
+    main,
+)
+from diffulex_edge.config import tiny_config
 from diffulex_edge.export import EXPORT_VARIANTS, QUANTIZATIONS
 from diffulex_edge.remasking import REMASKING
 from diffulex_edge.runtime import PteEngine
-from diffulex_edge.task import trained_checkpoint
 
-COMMANDS = ["export", "generate", "bench"]
+COMMANDS = ["export", "generate"]
+# The toy sorting model, the default source before 0.10.0: a checkout's benchmarks/ holds it.
+SORT8 = str(trained_checkpoint())
 
 
 def _subparser(command):
@@ -64,13 +75,57 @@ def test_choices_come_from_the_registries():
     assert list(choices[("export", "variant")]) == sorted(EXPORT_VARIANTS)
     assert tuple(choices[("export", "quantize")]) == QUANTIZATIONS
     assert list(choices[("generate", "remasking")]) == sorted(REMASKING)
-    assert list(choices[("bench", "remasking")]) == sorted(REMASKING)
+
+
+def test_the_moved_sort_bench_takes_the_options_bench_took():
+    """`diffulex-edge bench` left the wheel with the toy model (#56); the script it names
+    takes the same options, its remasking choices from the registry."""
+    from sort_bench import build_parser as bench_parser
+
+    options = {a.dest: a for a in bench_parser()._actions if a.option_strings}
+    assert {"prompts", "threads", "remasking"} <= set(options)
+    assert list(options["remasking"].choices) == sorted(REMASKING)
+    assert options["prompts"].default == 20 and options["threads"].default == 1
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "--prompts", "5", "--threads", "2"]])
+def test_bench_says_what_to_run_from_a_checkout(argv, capsys):
+    assert main(argv) == 2
+    _one_error_line(capsys.readouterr().err, BENCH_MOVED, "benchmarks/sort_bench.py")
+
+
+@pytest.mark.parametrize(
+    "argv", [["export", "-o", "{tmp}/m.pte"], ["generate", "--prompt", "31415926"]]
+)
+def test_no_source_names_the_sources_and_where_the_toy_model_went(argv, tmp_path, capsys):
+    """The bundled sorting model was the default source; it left the wheel in 0.10.0."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    _one_error_line(capsys.readouterr().err, NO_SOURCE, "MODEL_DIR", "--tiny", SORT8_CHECKOUT)
+    assert list(tmp_path.iterdir()) == []
+    assert SORT8.endswith(SORT8_CHECKOUT)  # the path it names is the checkout's
+
+
+def test_unknown_options_are_still_refused_outside_bench(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--tiny", "--prompt", "12", "--no-such-option"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_tiny_is_the_tests_seeded_tiny_model():
+    """--tiny builds, without the test helper, what random_model(tiny_config(), seed=0) does
+    (the .pte fixtures' model, which test_cli_and_trained compares it with)."""
+    ours, theirs = _tiny_model().state_dict(), random_model(tiny_config(), seed=0).state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_export_past_the_models_max_position_embeddings_says_the_limit(tmp_path, capsys):
-    """#19: `export --checkpoint DIR --max-seq 256` on the bundled checkpoint (max 64)."""
+    """#19: `export --checkpoint DIR --max-seq 256` on the sorting checkpoint (max 64)."""
     out = tmp_path / "model.pte"
-    argv = ["export", "--checkpoint", str(trained_checkpoint()), "-o", str(out)]
+    argv = ["export", "--checkpoint", SORT8, "-o", str(out)]
     assert main([*argv, "--max-seq", "256"]) == 2
     _one_error_line(capsys.readouterr().err, "max_position_embeddings 64", "--max-seq 64")
     assert list(tmp_path.iterdir()) == []  # nothing half-written
@@ -88,7 +143,7 @@ def test_tiny_says_on_stderr_that_its_weights_are_random(capsys):
 
 def test_prompt_ids_that_end_at_once_say_why(capsys):
     """#19: `generate --prompt-ids 1,2,3` printed `[]` and nothing else."""
-    assert main(["generate", "--prompt-ids", "1,2,3"]) == 0
+    assert main(["generate", SORT8, "--prompt-ids", "1,2,3"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == "[]"
     assert (
@@ -97,7 +152,7 @@ def test_prompt_ids_that_end_at_once_say_why(capsys):
 
 
 def test_the_readme_prompt_ids_line_sorts(capsys):
-    argv = ["generate", "--prompt-ids", "3,1,4,1,5,9,2,6,10"]
+    argv = ["generate", SORT8, "--prompt-ids", "3,1,4,1,5,9,2,6,10"]
     assert main([*argv, "--temperature", "0.8", "--top-p", "0.9", "--seed", "0"]) == 0
     assert capsys.readouterr().out.strip() == "[1, 1, 2, 3, 4, 5, 6, 9]"
 
@@ -107,8 +162,8 @@ def test_the_readme_prompt_ids_line_sorts(capsys):
 )
 def test_token_ids_outside_the_vocabulary_are_refused(bundled, tiny, pte_paths, capsys):
     """An out-of-range id was an IndexError traceback (eager) and reached ExecuTorch (.pte).
-    The bundled model's vocabulary is 16 tokens, the tiny .pte's 64."""
-    assert main(["generate", "--prompt-ids", bundled]) == 2
+    The sorting model's vocabulary is 16 tokens, the tiny .pte's 64."""
+    assert main(["generate", SORT8, "--prompt-ids", bundled]) == 2
     _one_error_line(capsys.readouterr().err, "outside the model's vocabulary [0, 16)")
     argv = ["generate", "--pte", str(pte_paths["block_kv"]), "--prompt-ids", tiny]
     assert main(argv) == 2
@@ -134,13 +189,13 @@ def test_a_file_that_is_not_a_pte_is_one_line(tmp_path, capsys):
         (["generate", "--checkpoint", "no/such/dir", "--prompt", "1"], "no/such/dir"),
         (["generate", "--tokenizer", "no/such/dir", "--prompt", "hi"], "--tokenizer no/such/dir"),
         (["generate", "--prompt-ids", "1,x"], "comma-separated ints"),
-        (["generate", "--prompt", "12", "--max-new-tokens", "100"], "max_seq 64"),
-        (["generate", "--prompt", "31415926", "--top-p", "0"], "top_p"),
+        (["generate", "{sort8}", "--prompt", "12", "--max-new-tokens", "100"], "max_seq 64"),
+        (["generate", "{sort8}", "--prompt", "31415926", "--top-p", "0"], "top_p"),
         (["export", "--tiny", "-o", "{tmp}/t.pte", "--block-size", "3"], "block_size"),
     ],
 )
 def test_expected_errors_are_one_line_with_exit_status_2(argv, needle, tmp_path, capsys):
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{sort8}", SORT8) for a in argv]
     assert main(argv) == 2
     _one_error_line(capsys.readouterr().err, needle)
 

@@ -5,11 +5,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from random_sdar import random_model
 
 from diffulex_edge.backends import EagerBlockKV, EagerCacheIO
 from diffulex_edge.config import tiny_config
 from diffulex_edge.kv_cache import DynamicKVCache, StaticCacheLayout
-from diffulex_edge.model import random_model
 
 
 @settings(max_examples=25, deadline=None)

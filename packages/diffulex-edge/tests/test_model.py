@@ -4,11 +4,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_sdar import random_model
 
 from diffulex_edge.config import tiny_config
 from diffulex_edge.kv_cache import DynamicKVCache, StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
-from diffulex_edge.model import random_model
 
 BS, MAX = 4, 32
 

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import zipfile
 from importlib.metadata import distribution
 from importlib.resources import files
 from pathlib import Path
@@ -20,6 +21,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from diffulex_edge import export_pte, save_checkpoint
+
+PACKAGE = Path(__file__).resolve().parents[1]
+# benchmarks/: the toy sorting model and task, and the test-model builder (not in the wheel).
+BENCHMARKS = PACKAGE / "benchmarks"
 
 BLOCKER = """
 import importlib.machinery, importlib.metadata, sys
@@ -95,7 +100,9 @@ def test_the_base_install_decodes_and_saves_with_its_declared_dependencies_only(
         f"""
         from diffulex_edge import EagerDynamic, GenerationConfig, generate, load_checkpoint
         from diffulex_edge import save_checkpoint
-        from diffulex_edge.task import decode, encode, trained_checkpoint
+        import sys
+        sys.path.insert(0, {str(BENCHMARKS)!r})
+        from sort_task import decode, encode, trained_checkpoint
         model = load_checkpoint(trained_checkpoint())
         save_checkpoint(model, {str(tmp_path / "copy")!r})
         model = load_checkpoint({str(tmp_path / "copy")!r})
@@ -126,7 +133,8 @@ def test_without_executorch_the_pte_paths_name_the_extra(pte_paths, tmp_path):
         sys.modules["executorch"] = None  # as if not installed
         from diffulex_edge import DiffulexEdgeError, PteEngine, export_pte
         from diffulex_edge.config import tiny_config
-        from diffulex_edge.model import random_model
+        sys.path.insert(0, {str(BENCHMARKS)!r})
+        from random_sdar import random_model
         for attempt in (lambda: PteEngine({str(pte_paths["block_kv"])!r}),
                         lambda: export_pte(random_model(tiny_config()), {str(tmp_path)!r} + "/t.pte", 64)):
             try:
@@ -196,6 +204,34 @@ def test_exported_files_follow_the_umask(model, tmp_path, umask_027):
     save_checkpoint(model, tmp_path / "ckpt")
     assert {_mode(p) for p in (tmp_path / "ckpt").iterdir()} == {0o644}
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["vocab_size"] == 64
+
+
+# What #56 moved from the wheel to benchmarks/: the toy sorting task, its training and its
+# checkpoint (random_model, the test-model builder, was in model.py).
+LEFT_THE_WHEEL = ("diffulex_edge/task.py", "diffulex_edge/train.py", "diffulex_edge/checkpoints/")
+
+
+def test_the_wheel_holds_runtime_code_only(tmp_path):
+    """The wheel built from this tree: no toy model, task, training or test-model builder."""
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), PACKAGE],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        sources = {n: zf.read(n).decode() for n in names if n.endswith(".py")}
+    assert {"diffulex_edge/cli.py", "diffulex_edge/model.py", "diffulex_edge/py.typed"} <= set(
+        names
+    )
+    for name in names:
+        assert not name.startswith(LEFT_THE_WHEEL), name
+        assert not name.endswith(".safetensors"), name
+    for name, text in sources.items():
+        assert "def random_model" not in text and "diffulex_edge.task" not in text, name
 
 
 def test_the_package_is_typed():

@@ -20,6 +20,8 @@ from diffulex_edge.page_lock import ipc_lock_effective, no_page_locking
 from diffulex_edge.pte_record import record_path
 from diffulex_edge.runtime import PteEngine
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
 
 def _copy(pte: Path, directory: Path) -> Path:
     """The program and its record under a path of its own, so this test's mappings are
@@ -165,9 +167,10 @@ _EXPORT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
+    sys.path.insert(0, sys.argv[2])  # benchmarks/: the test-model builder
     from diffulex_edge.config import tiny_config
     from diffulex_edge.export import export_pte
-    from diffulex_edge.model import random_model
+    from random_sdar import random_model
 
     package = str(Path(export_pte.__code__.co_filename).parent) + "/"
     ran = set()
@@ -196,7 +199,9 @@ def test_the_export_digest_covers_every_module_an_export_runs(tmp_path):
     package = Path(export.__file__).parent
     assert all((package / name).is_file() for name in export._RUN_ONLY_MODULES)
     done = subprocess.run(
-        [sys.executable, "-c", _EXPORT, str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-c", _EXPORT, str(tmp_path), str(BENCHMARKS)],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     ran = set(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -3,6 +3,7 @@ ceil(n / chunk) forwards (eager and through a real .pte)."""
 
 import pytest
 import torch
+from random_sdar import random_model
 
 from diffulex_edge.backends import EagerBlockKV, EagerDynamic, EagerStaticKV, StaticBackend
 from diffulex_edge.config import tiny_config
@@ -10,7 +11,6 @@ from diffulex_edge.export import export_pte
 from diffulex_edge.generate import GenerationConfig, generate_autoregressive
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import causal_chunk_mask, chunk_positions
-from diffulex_edge.model import random_model
 from diffulex_edge.runtime import PteEngine, method_step
 
 MAX, CHUNK = 64, 16

@@ -9,9 +9,15 @@ weights and config (the GGUF's, dequantised; test_hf checks they equal the float
 after checking that the marked blocks still say exactly those arguments. ``PteEngine``
 verifies the copy's record, and ``expected_config=model.config`` ties it to the model the
 README loaded.
+
+The toy sorting model's blocks run from the root of a repository checkout (the model and its
+task are in ``benchmarks/``, not the wheel): each fresh directory gets the checkout's
+``packages/diffulex-edge/benchmarks`` at that path, as a link, so the blocks' relative paths
+resolve as written and what they write lands in the fresh directory.
 """
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ import pytest
 from membound_testing.readme import blocks, run_python_blocks, run_shell, smollm2_importable
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+BENCHMARKS = README.parent / "benchmarks"
 PYTHON_EXPORT = (
     'export_pte(model, "smollm2.pte", max_seq=256, block_size=1, prefill_size=32, progress=True)'
 )
@@ -28,6 +35,13 @@ SHELL_EXPORT = 'diffulex-edge export --gguf "$GGUF" -o smollm2.pte'
 def _place_cached_export(smollm2_pte, directory: Path) -> None:
     shutil.copy(smollm2_pte, directory / "smollm2.pte")
     shutil.copy(smollm2_pte.with_name(smollm2_pte.name + ".json"), directory / "smollm2.pte.json")
+
+
+def _link_checkout_benchmarks(directory: Path) -> None:
+    """``directory`` as a checkout's root, for the toy model's paths: its benchmarks folder."""
+    link = directory / "packages" / "diffulex-edge" / "benchmarks"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(BENCHMARKS, target_is_directory=True)
 
 
 def test_every_block_is_run_or_marked_as_an_example_with_its_time():
@@ -54,7 +68,9 @@ def test_the_skipped_exports_are_the_cached_ones(smollm2_pte):
 def test_python_blocks_answer_paris_and_sort(smollm2_pte, tmp_path, monkeypatch, capfd):
     smollm2_importable()
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the README inserts into it
     _place_cached_export(smollm2_pte, tmp_path)
+    _link_checkout_benchmarks(tmp_path)
     ns = run_python_blocks(README)
     out = capfd.readouterr().out
     assert "Paris" in ns["answer"], ns["answer"]
@@ -69,6 +85,7 @@ def test_python_blocks_answer_paris_and_sort(smollm2_pte, tmp_path, monkeypatch,
 def test_command_line_blocks_run_in_a_shell(smollm2_pte, tmp_path):
     smollm2_importable()
     _place_cached_export(smollm2_pte, tmp_path)
+    _link_checkout_benchmarks(tmp_path)
     shell = [b.code for b in blocks(README, "bash") if b.example_only is None]
     assert len(shell) == 3
     result = run_shell("\n".join(shell), tmp_path, timeout=900)

@@ -6,6 +6,9 @@ user calls (#56); the building blocks stay in their modules."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from importlib.resources import files
+from pathlib import Path
 from types import ModuleType
 
 import diffulex_edge
@@ -41,10 +44,9 @@ MOVED = {
     "diffulex_edge.generate": ["GenerationResult"],
     "diffulex_edge.kv_cache": ["DynamicKVCache", "StaticCacheLayout"],
     "diffulex_edge.masks": ["CacheIOMasks", "block_attention_mask", "cache_io_masks"],
-    "diffulex_edge.model": ["SDARModel", "random_model"],
+    "diffulex_edge.model": ["SDARModel"],
     "diffulex_edge.remasking": ["REMASKING"],
     "diffulex_edge.sampling": ["SamplingConfig"],
-    "diffulex_edge.task": ["trained_checkpoint"],
 }
 
 
@@ -69,3 +71,21 @@ def test_the_building_blocks_live_in_their_modules():
         for name in names:
             assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
             assert not hasattr(diffulex_edge, name), name
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_toy_model_and_the_test_models_are_not_in_the_package():
+    """#56: the sorting task, its training, its checkpoint and the test-model builder left
+    the package for benchmarks/ (test_packaging checks the built wheel's file list)."""
+    for module in ("diffulex_edge.task", "diffulex_edge.train"):
+        assert importlib.util.find_spec(module) is None, module
+    assert not hasattr(importlib.import_module("diffulex_edge.model"), "random_model")
+    assert not hasattr(importlib.import_module("diffulex_edge.cli"), "trained_checkpoint")
+    package = files("diffulex_edge")
+    assert not package.joinpath("checkpoints").is_dir()
+    assert not [p.name for p in package.iterdir() if p.name.endswith(".safetensors")]
+    for name in ("sort_task.py", "train_sort.py", "sort_bench.py", "random_sdar.py"):
+        assert (BENCHMARKS / name).is_file(), name
+    assert (BENCHMARKS / "checkpoints" / "sort8" / "model.safetensors").is_file()

@@ -6,8 +6,10 @@ in their modules: the model and its config (:mod:`diffulex_edge.model`,
 :mod:`diffulex_edge.config`), the backends (:mod:`diffulex_edge.backends`), the caches
 (:mod:`diffulex_edge.kv_cache`), the masks (:mod:`diffulex_edge.masks`), sampling and
 remasking (:mod:`diffulex_edge.sampling`, :mod:`diffulex_edge.remasking`), the export
-variants and quantization (:mod:`diffulex_edge.export`), and the bundled sorting model
-(:mod:`diffulex_edge.task`).
+variants and quantization (:mod:`diffulex_edge.export`). The toy sorting model, its task,
+its training and the random test models are not in the wheel: they are in the repository's
+``packages/diffulex-edge/benchmarks/`` (``sort_task.py``, ``train_sort.py``,
+``checkpoints/sort8``, ``random_sdar.py``).
 """
 
 from diffulex_edge.__about__ import __version__

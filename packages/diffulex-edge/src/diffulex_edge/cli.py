@@ -1,4 +1,4 @@
-"""``diffulex-edge export | generate | bench``."""
+"""``diffulex-edge export | generate``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 from diffulex_edge.checkpoint import load_checkpoint
 from diffulex_edge.config import tiny_config
+from diffulex_edge.errors import DiffulexEdgeError
 from diffulex_edge.export import EXPORT_VARIANTS, QUANTIZATIONS
 from diffulex_edge.generate import GenerationConfig
 from diffulex_edge.remasking import REMASKING
 from diffulex_edge.sampling import SamplingConfig
-from diffulex_edge.task import TRAINED, trained_checkpoint
 
-__all__ = ["build_parser", "main", "trained_checkpoint"]
+__all__ = ["build_parser", "main"]
 
 # Defaults by model kind: SDAR decodes blocks of 4; an autoregressive model (no mask token)
 # decodes one token per forward and prefills its prompt in chunks.
@@ -26,19 +26,64 @@ TINY_NOTE = (
     "diffulex-edge: note: --tiny is a seeded random model (untrained weights): its tokens "
     "are noise, for checking the pipeline, not for reading"
 )
+# The toy sorting model left the wheel in 0.10.0 (#56); a repository checkout has it.
+SORT8_CHECKOUT = "packages/diffulex-edge/benchmarks/checkpoints/sort8"
+NO_SOURCE = (
+    "no model given: pass MODEL_DIR (or --checkpoint), --gguf or --tiny (generate also "
+    "--pte); the toy sorting model that was the default is no longer installed: from a "
+    f"repository checkout it is {SORT8_CHECKOUT}"
+)
+BENCH_MOVED = (
+    "the bench command left the package in 0.10.0 with the toy sorting model it runs: from "
+    "a repository checkout run python packages/diffulex-edge/benchmarks/sort_bench.py "
+    "[--prompts N --threads N --remasking R]"
+)
+# Without a tokenizer, --prompt is digits in the toy sorting model's vocabulary
+# (benchmarks/sort_task.py): ids 0-9 are the digits, 10 ends the prompt.
+_DIGITS, _SEP = 10, 10
+_DIGIT_NAMES = {10: "|", 11: "<eos>", 12: "<mask>"}
+
+
+def _tiny_model():
+    """``--tiny``: ``tiny_config()`` with seeded random weights, norm gains perturbed too
+    (the tests' tiny model, ``benchmarks/random_sdar.random_model(tiny_config(), seed=0)``)."""
+    import torch
+
+    from diffulex_edge.model import SDARModel
+
+    gen = torch.Generator().manual_seed(0)
+    model = SDARModel(tiny_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(gain + 0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
 
 
 def _model(args):
-    from diffulex_edge.model import random_model
-
     if args.tiny:
         print(TINY_NOTE, file=sys.stderr)
-        return random_model(tiny_config(), seed=0)
+        return _tiny_model()
     if args.gguf:
         from diffulex_edge.hf_import import load_gguf
 
         return load_gguf(args.gguf)
-    return load_checkpoint(args.model_dir or args.checkpoint or trained_checkpoint())
+    if args.model_dir is None and args.checkpoint is None:
+        raise DiffulexEdgeError(NO_SOURCE)
+    return load_checkpoint(args.model_dir or args.checkpoint)
+
+
+def _encode_digits(text: str) -> list[int]:
+    if not text or not text.isdigit():
+        raise ValueError(
+            f"prompt must be a non-empty string of digits, got {text!r} (without a tokenizer "
+            "--prompt is digits; pass --tokenizer or --prompt-ids)"
+        )
+    return [int(c) for c in text] + [_SEP]
+
+
+def _decode_digits(ids: list[int]) -> str:
+    return "".join(str(i) if i < _DIGITS else _DIGIT_NAMES.get(i, f"<{i}>") for i in ids)
 
 
 def _add_source(p, with_pte: bool) -> None:
@@ -46,8 +91,8 @@ def _add_source(p, with_pte: bool) -> None:
         "model_dir",
         nargs="?",
         help="Hugging Face-layout directory (config.json + safetensors): SDAR or a family "
-        "of the README's supported models except Phi-3 (fused tensors) (default: the "
-        f"bundled trained sorting model, {TRAINED})",
+        "of the README's supported models except Phi-3 (fused tensors) (default: none; "
+        "one source is needed)",
     )
     group = p.add_mutually_exclusive_group()
     group.add_argument("--checkpoint", help="the same as MODEL_DIR")
@@ -57,7 +102,10 @@ def _add_source(p, with_pte: bool) -> None:
     )
     if with_pte:
         group.add_argument("--pte", help="an exported diffulex-edge .pte")
-    p.epilog = f"With no source, the bundled trained model ({TRAINED}) is used."
+    p.epilog = (
+        "One source is needed. The toy sorting model is in a repository checkout: "
+        f"{SORT8_CHECKOUT}."
+    )
 
 
 def _tokenizer(args):
@@ -92,8 +140,6 @@ def _tokenizer(args):
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
-    from diffulex_edge.task import encode
-
     if args.prompt_ids is not None:
         try:
             return [int(x) for x in args.prompt_ids.split(",")]
@@ -101,7 +147,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
             msg = f"--prompt-ids must be comma-separated ints, got {args.prompt_ids!r}"
             raise ValueError(msg) from err
     if tokenizer is None:
-        return encode(args.prompt)
+        return _encode_digits(args.prompt)
     text = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -133,8 +179,6 @@ def cmd_export(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from diffulex_edge.task import decode
-
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         remasking=args.remasking,
@@ -168,7 +212,7 @@ def cmd_generate(args) -> None:
         print(
             f"diffulex-edge: note: no tokens generated: the model's first token was its "
             f"end-of-sequence token{eos}. Check that the prompt has the form the model was "
-            "trained on (the bundled sorting model: 8 digits, then the separator 10, e.g. "
+            "trained on (the toy sorting model: 8 digits, then the separator 10, e.g. "
             "--prompt-ids 3,1,4,1,5,9,2,6,10 or --prompt 31415926)",
             file=sys.stderr,
         )
@@ -177,7 +221,7 @@ def cmd_generate(args) -> None:
     elif tokenizer is not None:
         print(tokenizer.decode(result.tokens, skip_special_tokens=True))
     else:
-        print(decode(result.tokens))
+        print(_decode_digits(result.tokens))
     print(
         f"[{result.decoded_tokens} tokens in {result.denoise_forwards} denoising + "
         f"{result.commit_forwards} commit forwards; {result.tokens_per_forward:.2f} tokens/forward]",
@@ -186,30 +230,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    import tempfile
-
-    import torch
-
-    from diffulex_edge.backends import EagerDynamic
-    from diffulex_edge.export import export_pte
-    from diffulex_edge.runtime import PteEngine
-    from diffulex_edge.task import run_sort_task, sort_prompts
-
-    torch.set_num_threads(args.threads)
-    model = load_checkpoint(trained_checkpoint())
-    c = model.config
-    prompts = sort_prompts(args.prompts)
-    config = GenerationConfig(max_new_tokens=12, remasking=args.remasking)
-    with tempfile.TemporaryDirectory() as tmp:
-        export_pte(model, Path(tmp) / "m.pte", 32, 4, "block_kv")
-        engine = PteEngine(Path(tmp) / "m.pte", expected_config=c)
-        for name, backend in (("eager", EagerDynamic(model, 4)), ("pte", engine.backend)):
-            run_sort_task(backend, prompts[:1], config, c.mask_token_id, c.eos_token_id)  # warm-up
-            r = run_sort_task(backend, prompts, config, c.mask_token_id, c.eos_token_id)
-            print(
-                f"{name:5s} {r.tokens_per_s:8.1f} tokens/s  {r.tokens_per_forward:.2f} tokens/forward"
-                f"  exact match {r.exact_match:.3f}"
-            )
+    raise DiffulexEdgeError(BENCH_MOVED)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -223,6 +244,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``diffulex-edge`` parser, its subcommands and their options.
+
+    Returns:
+        The parser; each subcommand sets ``func``, the function that runs it.
+    """
     formatter = _HelpFormatter
     parser = argparse.ArgumentParser(
         prog="diffulex-edge", description=__doc__, formatter_class=formatter
@@ -304,23 +330,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
-        "bench", help="eager vs .pte decode speed on the bundled model", formatter_class=formatter
-    )
-    p.add_argument("--prompts", type=int, default=20, help="random 8-digit prompts")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for eager")
-    p.add_argument(
-        "--remasking",
-        choices=sorted(REMASKING),
-        default="low_confidence_dynamic",
-        help="REMASKING",
+        "bench",
+        help="moved out of the package in 0.10.0: says what to run from a repository checkout",
+        formatter_class=formatter,
     )
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``diffulex-edge`` command.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, or 2 after a one-line ``diffulex-edge: error: ...`` on stderr
+        for an expected failure (a bad value, a missing or damaged file).
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # bench's old options are let through, so that it says where they go now.
+    if unknown and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
     except (ValueError, OSError) as err:

@@ -21,6 +21,7 @@ record before any byte reaches ExecuTorch, and the constants before running anyt
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import tempfile
@@ -31,17 +32,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diffulex_edge.errors import DiffulexEdgeError
+from diffulex_edge.executorch_import import lowering
+from diffulex_edge.export_config import ExportConfig
 from diffulex_edge.files import umask_mode
 from diffulex_edge.kv_cache import StaticCacheLayout
 from diffulex_edge.masks import block_attention_mask, block_positions, cache_io_masks
 from diffulex_edge.model import SDARModel
-from diffulex_edge.program_meta import (
-    QUANTIZATIONS,
-    VARIANT_IDS,
-    program_metadata,
-)
+from diffulex_edge.program_meta import QUANTIZATIONS as QUANTIZATIONS  # re-exported
+from diffulex_edge.program_meta import VARIANT_IDS
 from diffulex_edge.progress import StageProgress
+from diffulex_edge.pte_record import write_record
 
 # 8da4w-mixed: the linear layers whose weights stay int8 (one scale per row). On SmolLM2
 # they carry most of 8da4w's perplexity loss (benchmarks/smollm2_quant_ablation.py).
@@ -194,8 +194,6 @@ _RUN_ONLY_MODULES = frozenset(
         "remasking.py",
         "runtime.py",
         "sampling.py",
-        "task.py",
-        "train.py",
         "xnnpack_weight_cache.py",
     }
 )
@@ -300,128 +298,33 @@ def _export_static_kv(graph, layout, prefill_layout):
     )
 
 
-def export_pte(
-    model: SDARModel,
-    path: str | Path,
-    max_seq: int,
-    block_size: int = 4,
-    variant: str = "block_kv",
-    quantize: str | None = None,
-    prefill_size: int | None = None,
-    progress: bool = False,
-) -> ExportResult:
-    """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
-    plus its integrity record ``<path>.json`` (size and SHA-256 of the program, the config
-    it was exported from, the constants it reports), which :class:`PteEngine` verifies.
+def _export_programs(model: SDARModel, spec: ExportConfig):
+    """torch.export of the variant's graph: its methods by name (``forward``, and
+    ``prefill`` for a block_kv program with a prefill size), and the edge compile config
+    the lowering needs (None for the core-ATen variants)."""
+    layout, prefill_layout = spec.layout, spec.prefill_layout
+    if spec.variant == "static_kv":
+        graph = StaticKVGraph(model, spec.max_seq, layout.block_size).eval()
+        from executorch.exir import EdgeCompileConfig  # importable: lowering() ran
 
-    Any failure of the toolchain propagates; each file is written to a temp name and
-    renamed, the program first, so a record never describes a program not yet in place.
-
-    Args:
-        model: the model to export; left unchanged (quantization works on a copy).
-        path: where the program goes; the record goes to ``<path>.json``.
-        max_seq: cache slots of the program's static KV cache, the longest prompt plus new
-            tokens it can hold; a multiple of ``block_size``, at most the model's
-            ``max_position_embeddings``.
-        block_size: tokens per forward (1 for an autoregressive model).
-        variant: the graph, one of :data:`EXPORT_VARIANTS` (``cache_io``, ``block_kv``,
-            ``static_kv``).
-        quantize: None (fp32 weights) or one of :data:`QUANTIZATIONS` (``8da4w``,
-            ``8da4w-mixed``).
-        prefill_size: adds causal prompt chunks of up to this many tokens, so an
-            autoregressive prompt enters the cache in chunks rather than one forward per
-            token: a second method, ``prefill``, with ``block_kv``; the ``forward`` method
-            itself with ``static_kv`` (which then needs ``block_size`` 1). Not for
-            ``cache_io``.
-        progress: print a stage bar to stderr.
-
-    Returns:
-        :class:`ExportResult`: the program's path, variant, cache layout, quantization, size
-        in bytes and the record's path.
-
-    Raises:
-        DiffulexEdgeError: an unknown ``variant`` or ``quantize``, a ``prefill_size`` the
-            variant cannot take, ``max_seq`` above ``max_position_embeddings``, or ExecuTorch
-            not installed (the message names the extra to install).
-        ValueError: ``max_seq`` or ``block_size`` not a positive int, or ``max_seq`` not a
-            whole number of blocks.
-    """
-    if variant not in EXPORT_VARIANTS:
-        raise DiffulexEdgeError(
-            f"variant must be one of {sorted(EXPORT_VARIANTS)}, got {variant!r}"
+        # llama::update_cache / custom_sdpa are not core ATen ops.
+        compile_config = EdgeCompileConfig(_check_ir_validity=False)
+        return {"forward": _export_static_kv(graph, layout, prefill_layout)}, compile_config
+    graph_cls = EXPORT_VARIANTS[spec.variant]
+    graph = graph_cls(model).eval()
+    programs = {
+        "forward": torch.export.export(graph, graph_cls.example_inputs(layout), strict=False)
+    }
+    if prefill_layout is not None:
+        programs[PREFILL_METHOD] = torch.export.export(
+            graph, graph_cls.example_inputs(prefill_layout), strict=False
         )
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise DiffulexEdgeError(
-            f"quantize must be None or one of {QUANTIZATIONS}, got {quantize!r}"
-        )
-    layout = StaticCacheLayout.for_model(model.config, max_seq=max_seq, block_size=block_size)
-    prefill_layout = None
-    if prefill_size is not None:
-        if variant == "cache_io":
-            raise DiffulexEdgeError(
-                f"prefill_size needs variant 'block_kv' or 'static_kv', got {variant!r}"
-            )
-        if variant == "static_kv" and layout.block_size != 1:
-            raise DiffulexEdgeError(
-                f"prefill_size with variant 'static_kv' needs block_size 1 (its prompt chunks "
-                f"attend causally), got block_size {layout.block_size}"
-            )
-        try:
-            prefill_layout = StaticCacheLayout.for_model(model.config, max_seq, prefill_size)
-        except ValueError as err:
-            raise DiffulexEdgeError(f"prefill_size {prefill_size!r}: {err}") from err
-    if max_seq > model.config.max_position_embeddings:
-        limit = model.config.max_position_embeddings
-        raise DiffulexEdgeError(
-            f"max_seq {max_seq} exceeds the model's max_position_embeddings {limit} (the "
-            f"longest sequence it was built for): export with max_seq <= {limit} "
-            f"(the CLI's --max-seq {limit})"
-        )
-    from diffulex_edge.executorch_import import lowering
+    return programs, None
 
-    to_edge_transform_and_lower, XnnpackPartitioner = lowering()
-    graph_cls = EXPORT_VARIANTS[variant]
-    config = model.config
-    metadata = program_metadata(
-        config, layout.block_size, layout.max_seq, variant, prefill_size or 0
-    )
-    bar = StageProgress(5 if quantize else 4, enabled=progress)
-    if quantize is not None:
-        import copy
 
-        int8_layers = MIXED_INT8_LAYERS if quantize == "8da4w-mixed" else ()
-        with bar.stage(f"quantize {quantize}"):
-            model = quantize_8da4w(copy.deepcopy(model), int8_layers=int8_layers)
-    compile_config = None
-    with bar.stage("torch.export"), torch.no_grad():
-        if variant == "static_kv":
-            graph = StaticKVGraph(model, max_seq, layout.block_size).eval()
-            programs = {"forward": _export_static_kv(graph, layout, prefill_layout)}
-            from executorch.exir import EdgeCompileConfig  # importable: lowering() ran
-
-            # llama::update_cache / custom_sdpa are not core ATen ops.
-            compile_config = EdgeCompileConfig(_check_ir_validity=False)
-        else:
-            graph = graph_cls(model).eval()
-            programs = {
-                "forward": torch.export.export(
-                    graph, graph_cls.example_inputs(layout), strict=False
-                )
-            }
-            if prefill_layout is not None:
-                programs[PREFILL_METHOD] = torch.export.export(
-                    graph, graph_cls.example_inputs(prefill_layout), strict=False
-                )
-    with bar.stage("lower to XNNPACK"):
-        edge = to_edge_transform_and_lower(
-            programs,
-            partitioner=[XnnpackPartitioner()],
-            constant_methods=metadata,
-            compile_config=compile_config,
-        )
-    with bar.stage("serialize"):
-        buffer = edge.to_executorch().buffer
-    path = Path(path)
+def _write_program(path: Path, buffer: bytes) -> None:
+    """``buffer`` to ``path`` through a temp name in its folder, renamed into place, with the
+    mode a plain ``open`` would give (the umask's)."""
     fd, tmp = tempfile.mkstemp(
         dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}."
     )
@@ -434,10 +337,71 @@ def export_pte(
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    from diffulex_edge.pte_record import write_record
 
+
+def export_pte(
+    model: SDARModel,
+    path: str | Path,
+    max_seq: int,
+    block_size: int = 4,
+    variant: str = "block_kv",
+    quantize: str | None = None,
+    prefill_size: int | None = None,
+    progress: bool = False,
+) -> ExportResult:
+    """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
+    plus its integrity record ``<path>.json``, which :class:`PteEngine` verifies.
+
+    The arguments are checked first (:class:`~diffulex_edge.export_config.ExportConfig`); a
+    toolchain failure propagates. Each file goes to a temp name and is renamed, the program
+    first, so a record never describes a program not yet in place.
+
+    Args:
+        model: the model to export; left unchanged (quantization works on a copy).
+        path: where the program goes; the record goes to ``<path>.json``.
+        max_seq: the static KV cache's slots (prompt plus new tokens): a multiple of
+            ``block_size``, at most the model's ``max_position_embeddings``.
+        block_size: tokens per forward (1 for an autoregressive model).
+        variant: the graph, one of :data:`EXPORT_VARIANTS`.
+        quantize: None (fp32 weights) or one of :data:`QUANTIZATIONS`.
+        prefill_size: causal prompt chunks of up to this many tokens: a second method,
+            ``prefill``, with ``block_kv``; ``forward`` itself with ``static_kv`` (which then
+            needs ``block_size`` 1). Not for ``cache_io``.
+        progress: print a stage bar to stderr.
+
+    Returns:
+        :class:`ExportResult`: the program's path, variant, cache layout, quantization, size
+        in bytes and the record's path.
+
+    Raises:
+        DiffulexEdgeError: a bad ``variant``, ``quantize`` or ``prefill_size``, ``max_seq``
+            above ``max_position_embeddings``, or no ExecuTorch (it names the extra).
+        ValueError: ``max_seq`` or ``block_size`` not a positive int, or ``max_seq`` not a
+            whole number of blocks.
+    """
+    spec = ExportConfig(model.config, max_seq, block_size, variant, quantize, prefill_size)
+    to_edge_transform_and_lower, XnnpackPartitioner = lowering()
+    bar = StageProgress(5 if quantize else 4, enabled=progress)
+    if quantize is not None:
+        int8_layers = MIXED_INT8_LAYERS if quantize == "8da4w-mixed" else ()
+        with bar.stage(f"quantize {quantize}"):
+            model = quantize_8da4w(copy.deepcopy(model), int8_layers=int8_layers)
+    with bar.stage("torch.export"), torch.no_grad():
+        programs, compile_config = _export_programs(model, spec)
+    with bar.stage("lower to XNNPACK"):
+        edge = to_edge_transform_and_lower(
+            programs,
+            partitioner=[XnnpackPartitioner()],
+            constant_methods=spec.metadata(),
+            compile_config=compile_config,
+        )
+    with bar.stage("serialize"):
+        buffer = edge.to_executorch().buffer
+    path = Path(path)
+    _write_program(path, buffer)
+    config = spec.config
     with bar.stage("write"):
         record = write_record(
             path, bytes(buffer), variant, quantize, config, block_size, max_seq, prefill_size or 0
         )
-    return ExportResult(path, variant, layout, quantize, len(buffer), record)
+    return ExportResult(path, variant, spec.layout, quantize, len(buffer), record)

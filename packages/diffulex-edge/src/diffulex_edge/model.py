@@ -437,17 +437,3 @@ def _rope_table(theta: float, hd: int, max_pos: int) -> tuple[torch.Tensor, torc
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # (max_pos, hd)
     return angles.cos().float(), angles.sin().float()
-
-
-def random_model(config: SDARConfig, seed: int = 0) -> SDARModel:
-    """An SDARModel with seeded random weights (norm gains perturbed too, so q/k norm and
-    RMSNorm weights are exercised), in eval mode."""
-    gen = torch.Generator().manual_seed(seed)
-    model = SDARModel(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()

@@ -46,6 +46,12 @@ def _check_identifier(path: Path, data: bytes) -> None:
         )
 
 
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise DiffulexEdgeError(f"{name} must be a bool, got {value!r}")
+
+
 class PteEngine:
     """Load a diffulex ``.pte`` and generate with it.
 
@@ -97,21 +103,13 @@ class PteEngine:
         allow_unverified: bool = False,
         lock_pages: bool = False,
     ) -> None:
-        if not isinstance(allow_unverified, bool):
-            raise DiffulexEdgeError(f"allow_unverified must be a bool, got {allow_unverified!r}")
-        if not isinstance(lock_pages, bool):
-            raise DiffulexEdgeError(f"lock_pages must be a bool, got {lock_pages!r}")
+        _check_flags(allow_unverified=allow_unverified, lock_pages=lock_pages)
         self.lock_pages = lock_pages
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no .pte at {path}")
         self.path = path
-        if allow_unverified:
-            self.record, identity = None, file_identity(path)
-        else:
-            self.record, identity = verify_program_file(path)
-        with open(path, "rb") as f:
-            _check_identifier(path, f.read(8))
+        self.record, identity = self._verify_file(allow_unverified)
         self.verified = self.record is not None
         self.pte_bytes = identity[2]
         with self._loading():
@@ -122,22 +120,41 @@ class PteEngine:
                 "from when it was checked); load it again"
             )
         self.meta = self._read_meta()
-        if self.record is not None:
-            diffs = {
-                k: (self.meta[k], self.record.metadata[k])
-                for k in META_KEYS
-                if self.meta[k] != self.record.metadata[k]
-            }
-            if diffs:
-                raise DiffulexEdgeError(
-                    f"{path}: the program's constants disagree with {record_path(path).name} "
-                    f"(program vs record: {diffs})"
-                )
+        self._check_meta_against_record()
         if expected_config is not None:
             self.check_config(expected_config)
         self.variant = _VARIANT_BY_ID[self.meta["variant_id"]]
+        self.layout = self._cache_layout()
+        self.method, self.backend = self._load_backend()
+
+    def _verify_file(self, allow_unverified: bool):
+        """The program's record and file identity (the record None when unverified, checked
+        against the file otherwise), after checking the file's flatbuffer identifier."""
+        if allow_unverified:
+            record, identity = None, file_identity(self.path)
+        else:
+            record, identity = verify_program_file(self.path)
+        with open(self.path, "rb") as f:
+            _check_identifier(self.path, f.read(8))
+        return record, identity
+
+    def _check_meta_against_record(self) -> None:
+        if self.record is None:
+            return
+        diffs = {
+            k: (self.meta[k], self.record.metadata[k])
+            for k in META_KEYS
+            if self.meta[k] != self.record.metadata[k]
+        }
+        if diffs:
+            raise DiffulexEdgeError(
+                f"{self.path}: the program's constants disagree with "
+                f"{record_path(self.path).name} (program vs record: {diffs})"
+            )
+
+    def _cache_layout(self) -> StaticCacheLayout:
         try:
-            self.layout = StaticCacheLayout(
+            return StaticCacheLayout(
                 num_layers=self.meta["num_layers"],
                 batch=1,
                 kv_heads=self.meta["kv_heads"],
@@ -147,8 +164,12 @@ class PteEngine:
             )
         except ValueError as err:
             raise DiffulexEdgeError(
-                f"{path}: the program's cache geometry is invalid: {err}"
+                f"{self.path}: the program's cache geometry is invalid: {err}"
             ) from err
+
+    def _load_backend(self):
+        """``forward`` (and the prefill method when the program has one), checked against
+        the cache layout, and the :class:`StaticBackend` that steps them."""
         prefill_size = self.meta["prefill_size"] or None
         static_kv = self.variant == "static_kv"
         if static_kv:
@@ -157,33 +178,38 @@ class PteEngine:
             llm_custom_kernels()  # the kernels its forward calls
         with self._loading():
             method, prefill = self._load_methods(prefill_size is not None and not static_kv)
-        if static_kv:
-            inputs = method.metadata.num_inputs()
-            if inputs != 2:
-                raise DiffulexEdgeError(
-                    f"{path}: a static_kv forward takes (input_ids, input_pos), this one "
-                    f"takes {inputs} inputs"
-                )
-        else:
-            try:
-                cache_shape = tuple(method.metadata.input_tensor_meta(2).sizes())
-            except RuntimeError as err:
-                raise DiffulexEdgeError(f"{path}: forward has no kv_cache input: {err}") from err
-            if cache_shape != self.layout.shape:
-                raise DiffulexEdgeError(
-                    f"{path}: forward's kv_cache input is {cache_shape}, its metadata "
-                    f"says {self.layout.shape}"
-                )
-        self.method = method
+        self._check_forward_inputs(method, static_kv)
         if static_kv:  # the prompt's chunks run through forward itself
             prefill = method if prefill_size is not None else None
         prefill_step = None if prefill is None else method_step(prefill)
         try:
-            self.backend = StaticBackend(
+            backend = StaticBackend(
                 self.layout, self.variant, method_step(method), prefill_step, prefill_size
             )
         except ValueError as err:
-            raise DiffulexEdgeError(f"{path}: {err}") from err
+            raise DiffulexEdgeError(f"{self.path}: {err}") from err
+        return method, backend
+
+    def _check_forward_inputs(self, method, static_kv: bool) -> None:
+        """A static_kv forward takes (input_ids, input_pos); the others take the cache as
+        their third input, in the layout's shape."""
+        if static_kv:
+            inputs = method.metadata.num_inputs()
+            if inputs != 2:
+                raise DiffulexEdgeError(
+                    f"{self.path}: a static_kv forward takes (input_ids, input_pos), this one "
+                    f"takes {inputs} inputs"
+                )
+            return
+        try:
+            cache_shape = tuple(method.metadata.input_tensor_meta(2).sizes())
+        except RuntimeError as err:
+            raise DiffulexEdgeError(f"{self.path}: forward has no kv_cache input: {err}") from err
+        if cache_shape != self.layout.shape:
+            raise DiffulexEdgeError(
+                f"{self.path}: forward's kv_cache input is {cache_shape}, its metadata "
+                f"says {self.layout.shape}"
+            )
 
     def _loading(self):
         """What ExecuTorch may do with the pages it maps while the program loads: lock

@@ -1,4 +1,6 @@
-"""The synthetic digit-sorting task the bundled tiny SDAR model is trained on.
+"""The synthetic digit-sorting task the toy SDAR model (``checkpoints/sort8`` beside this
+file) is trained on: its tests, the decode benchmark and ``train_sort.py`` use it. Not in the
+wheel (#56): run from a repository checkout, with this folder on ``sys.path``.
 
 Prompt: ``d_1 .. d_n SEP`` (n random digits); answer: the digits sorted ascending, then
 ``EOS``; training pads the sequence to whole blocks with EOS (as SDAR's SFT pads with its
@@ -9,13 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
 import torch
 
 from diffulex_edge.backends import Backend
 from diffulex_edge.generate import GenerationConfig, generate
+
+HERE = Path(__file__).resolve().parent
 
 DIGITS = 10
 SEP = 10
@@ -26,8 +29,12 @@ TRAINED = "sort8"
 
 
 def trained_checkpoint() -> Path:
-    """The bundled tiny SDAR model trained on 8-digit sorting (``python -m diffulex_edge.train``)."""
-    return Path(str(files("diffulex_edge") / "checkpoints" / TRAINED))
+    """The tiny SDAR model trained on 8-digit sorting (``benchmarks/train_sort.py``).
+
+    Returns:
+        Its checkpoint directory, ``benchmarks/checkpoints/sort8``.
+    """
+    return HERE / "checkpoints" / TRAINED
 
 
 @dataclass(frozen=True)
@@ -63,14 +70,31 @@ class SortTask:
 
 
 def encode(digits: str) -> list[int]:
-    """``"31415"`` -> prompt ids ``[3, 1, 4, 1, 5, SEP]``."""
+    """``"31415"`` -> prompt ids ``[3, 1, 4, 1, 5, SEP]``.
+
+    Args:
+        digits: a non-empty string of decimal digits.
+
+    Returns:
+        The prompt's token ids, the separator last.
+
+    Raises:
+        ValueError: ``digits`` is empty or holds a non-digit.
+    """
     if not digits or not digits.isdigit():
         raise ValueError(f"prompt must be a non-empty string of digits, got {digits!r}")
     return [int(c) for c in digits] + [SEP]
 
 
 def decode(ids: list[int]) -> str:
-    """Ids -> text: digits as themselves, other ids in angle brackets."""
+    """Ids -> text: digits as themselves, other ids in angle brackets.
+
+    Args:
+        ids: token ids of the sorting vocabulary.
+
+    Returns:
+        The text, e.g. ``"1134<eos>"``.
+    """
     names = {SEP: "|", EOS: "<eos>", MASK: "<mask>"}
     return "".join(str(i) if i < DIGITS else names.get(i, f"<{i}>") for i in ids)
 
@@ -86,7 +110,18 @@ class DecodeRun:
 def run_sort_task(
     backend: Backend, prompts: list[list[int]], config: GenerationConfig, mask_id: int, eos_id: int
 ) -> DecodeRun:
-    """Decode every prompt; tokens/s counts decoded tokens over wall time, prefill included."""
+    """Decode every prompt; tokens/s counts decoded tokens over wall time, prefill included.
+
+    Args:
+        backend: the model's forward (eager or a .pte's).
+        prompts: prompt ids, each ``num_digits`` digits and the separator.
+        config: the generation settings.
+        mask_id: the mask token's id.
+        eos_id: the end-of-sequence token's id.
+
+    Returns:
+        :class:`DecodeRun`: tokens/s, tokens per forward and the exact-match share.
+    """
     task = SortTask()
     decoded = denoise = commits = correct = 0
     start = time.perf_counter()
@@ -106,6 +141,15 @@ def run_sort_task(
 
 
 def sort_prompts(n: int, seed: int = 1234) -> list[list[int]]:
+    """Seeded random prompts of the 8-digit task.
+
+    Args:
+        n: how many.
+        seed: the generator's seed; the same seed gives the same prompts.
+
+    Returns:
+        ``n`` prompts, each 8 digits and the separator.
+    """
     task = SortTask()
     seqs = task.sample(n, torch.Generator().manual_seed(seed))
     return [s[: task.prompt_len].tolist() for s in seqs]
