@@ -11,7 +11,8 @@ its hatch environment does, on the torch and transformers it pins (read from hat
 and runs the package's tests against that installed wheel, from outside the source tree,
 checking that the package the tests imported is the venv's copy; then, in a second fresh
 venv, the base install: the wheel with no extras, torch, and (where the example loads
-the GGUF through transformers) the Hugging Face stack a user of it already has, runs the
+the GGUF through transformers) the Hugging Face stack a user of it already has (and what
+else the README installs for it: membound-testing's moefy for moe-expert-cache), runs the
 README's first python block as a user would paste it (#55: a missing base dependency,
 such as numpy for safetensors' writer, fails here). Prints the tag to create; creates
 nothing in git.
@@ -206,21 +207,26 @@ def first_example(package: str) -> str:
 
 
 def _link_moe_build(work: Path) -> None:
-    """moe-expert-cache's first example builds a MoE from SmolLM2 (minutes); the wheel's
-    tests built the same one under membound's cache (the real_moe fixture), so it is
-    linked where the example's moefy_cached looks, as the package's README test does."""
+    """moe-expert-cache's first example builds a MoE from SmolLM2 with membound_testing.moefy
+    (minutes); the wheel's tests built the same one under membound's cache (the real_moe
+    fixture), so the newest such build is linked where the example's moefy_cached looks, as
+    the package's README test does."""
     from membound_testing.models import smollm2_float_dir
 
     source = smollm2_float_dir()
-    builds = sorted(source.parent.glob(f"{source.name}-moe16-top4-*"))
+    builds = list(source.parent.glob(f"{source.name}-moe16-top4-*"))
     if not builds:
         raise ReleaseError(f"no MoE build under {source.parent}: run the package's tests first")
-    suffix = builds[-1].name[len(source.name) :]
+    newest = max(builds, key=lambda p: p.stat().st_mtime)
+    suffix = newest.name[len(source.name) :]
     (work / "moe-cache").mkdir()
-    (work / "moe-cache" / f"smollm2-f32{suffix}").symlink_to(builds[-1])
+    (work / "moe-cache" / f"smollm2-f32{suffix}").symlink_to(newest)
 
 
 PREPARE_EXAMPLE = {"moe-expert-cache": _link_moe_build}
+# What the README's install block adds for its first example beyond the wheel: the dev
+# helper that builds moe-expert-cache's MoE (membound_testing.moefy).
+EXAMPLE_EXTRAS = {"moe-expert-cache": [f"{ROOT / 'tools' / 'membound-testing'}[moefy]"]}
 
 
 def base_install_check(package: str, wheel: Path) -> None:
@@ -234,7 +240,7 @@ def base_install_check(package: str, wheel: Path) -> None:
         constraints.write_text(env_pins(package))
         stack = HF_STACK if "transformers" in code else []
         pip = [py, "-m", "pip", "install", "-q", "--no-compile", "-c", str(constraints)]
-        _quiet([*pip, str(wheel), "torch", *stack])
+        _quiet([*pip, str(wheel), "torch", *stack, *EXAMPLE_EXTRAS.get(package, [])])
         work = Path(tmp) / "work"
         work.mkdir()
         (work / "example.py").write_text(code)

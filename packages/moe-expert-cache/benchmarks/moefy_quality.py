@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from smollm2_moe import smollm2_moe
 from texts import texts
 
-from moe_expert_cache.moefy import BUILD_RECORD, MoefyConfig, load_dense
+from membound_testing.moefy import BUILD_RECORD, MoefyConfig, load_dense
 
 TOP_KS = (2, 4, 8, 16)
 # The demo's build: a shared expert of the 256 neurons of largest mean mass, run by every
@@ -95,10 +95,10 @@ def run(quick: bool = False) -> dict:
         ["model", *(f"{kind} ({len(ids)} tokens)" for kind, ids in held_out.items())],
         rows,
         targets,
-        f"Built by moe_expert_cache.moefy from SmolLM2-135M-Instruct (float32): 30 layers x "
+        f"Built by membound_testing.moefy from SmolLM2-135M-Instruct (float32): 30 layers x "
         f"{record['config']['num_experts']} experts x 96 neurons, balanced k-means on "
         f"neuron activation mass over {record['calibration_tokens']} calibration tokens "
-        "(moe_expert_cache.calibration: prose and package source), ridge-fitted linear "
+        "(membound_testing.moefy.calibration: prose and package source), ridge-fitted linear "
         f"routers. Router recall of the top-{built_k} experts by mass on the calibration "
         f"tokens: mean {np.mean(recall):.3f} (layers {min(recall):.3f}-{max(recall):.3f}); the "
         f"best {built_k} experts hold {np.mean(mass):.3f} of the activation mass on average. "

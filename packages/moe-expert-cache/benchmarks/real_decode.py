@@ -19,8 +19,8 @@ from mlx_lm.utils import load_model, load_tokenizer
 from smollm2_moe import smollm2_moe
 from texts import texts
 
+from membound_testing.moefy import MoefyConfig
 from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
-from moe_expert_cache.moefy import MoefyConfig
 
 COMMAND = "hatch run moe-expert-cache:python packages/moe-expert-cache/benchmarks/real_decode.py"
 MODELS = {

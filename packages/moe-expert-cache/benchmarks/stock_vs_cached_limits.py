@@ -74,7 +74,7 @@ def moe_checkpoint() -> Path:
     """The demo's MoE checkpoint (built on first use: minutes on 2 cores)."""
     from smollm2_moe import smollm2_moe
 
-    from moe_expert_cache.moefy import MoefyConfig
+    from membound_testing.moefy import MoefyConfig
 
     return smollm2_moe(MoefyConfig(shared_size=256, top_k=6))
 

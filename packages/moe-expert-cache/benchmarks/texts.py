@@ -1,6 +1,6 @@
 """Three held-out texts of different kinds for router traces and perplexity (written for
 membound, or this package's own MIT source; no dataset download). None of them is in
-:mod:`moe_expert_cache.calibration`."""
+:mod:`membound_testing.moefy.calibration`."""
 
 from __future__ import annotations
 

@@ -72,12 +72,12 @@ def stock_run(model_dir):
 
 @pytest.fixture(scope="session")
 def real_moe():
-    """The MoEfied SmolLM2-135M (moe_expert_cache.moefy), built once under membound's cache
+    """The MoEfied SmolLM2-135M (membound_testing.moefy), built once under membound's cache
     directory; the first session builds it (minutes), later ones find it."""
     from membound_testing.models import cache_dir, smollm2_float_dir
-    from moe_expert_cache.moefy import moefy_cached
+    from membound_testing.moefy import moefy_cached
 
-    return moefy_cached(smollm2_float_dir(), cache_dir(), progress=False)
+    return moefy_cached(smollm2_float_dir(), cache_dir(), progress=False, seal=seal_model)
 
 
 @pytest.fixture(scope="session")
@@ -85,10 +85,10 @@ def real_shared_moe():
     """The MoEfied SmolLM2-135M with a shared expert of 256 neurons and 16 routed experts of
     80, top-6 (a Qwen2-MoE), built once under membound's cache directory like ``real_moe``."""
     from membound_testing.models import cache_dir, smollm2_float_dir
-    from moe_expert_cache.moefy import MoefyConfig, moefy_cached
+    from membound_testing.moefy import MoefyConfig, moefy_cached
 
     config = MoefyConfig(shared_size=256, top_k=6)
-    return moefy_cached(smollm2_float_dir(), cache_dir(), config, progress=False)
+    return moefy_cached(smollm2_float_dir(), cache_dir(), config, progress=False, seal=seal_model)
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model
 
-from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
-from moe_expert_cache.moefy import MoefyConfig, build_key, load_dense, moefy
+from membound_testing.moefy import MoefyConfig, build_key, load_dense, moefy
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model, seal_model
 
 IDS = np.random.default_rng(0).integers(0, 128, 96).tolist()
 SHARED = MoefyConfig(
@@ -22,7 +22,8 @@ SHARED = MoefyConfig(
 
 @pytest.fixture(scope="module")
 def shared_moe(tmp_path_factory, tiny_llama):
-    return moefy(tiny_llama, tmp_path_factory.mktemp("m") / "moe", IDS, SHARED, progress=False)
+    out = tmp_path_factory.mktemp("m") / "moe"
+    return moefy(tiny_llama, out, IDS, SHARED, progress=False, seal=seal_model)
 
 
 def test_a_shared_expert_makes_a_qwen2_moe_that_partitions_the_neurons(shared_moe, tiny_llama):
@@ -81,7 +82,7 @@ def test_moefy_refuses_a_shared_size_that_does_not_fit_and_leaves_nothing(
 ):
     config = MoefyConfig(num_experts=4, top_k=2, shared_size=shared, kmeans_iters=1)
     with pytest.raises(ValueError, match=message):
-        moefy(tiny_llama, tmp_path / "m", IDS, config, progress=False)
+        moefy(tiny_llama, tmp_path / "m", IDS, config, progress=False, seal=seal_model)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import PROMPT
 
+from membound_testing.moefy import MoefyConfig, moefy
 from membound_testing.random_moe import random_moe_config, write_random_moe
 from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model, seal_model
-from moe_expert_cache.moefy import MoefyConfig, moefy
 
 
 @pytest.fixture(params=[0o022, 0o077])
@@ -40,7 +40,7 @@ def test_moefy_checkpoint_follows_the_umask(tmp_path, umask, tiny_llama):
     dense = tiny_llama
     ids = np.random.default_rng(0).integers(0, 128, 96).tolist()
     config = MoefyConfig(num_experts=4, top_k=2, kmeans_iters=2, sequence_length=32, shards=2)
-    out = moefy(dense, tmp_path / "moe", ids, config, progress=False)
+    out = moefy(dense, tmp_path / "moe", ids, config, progress=False, seal=seal_model)
     got = modes(out)
     assert len(got) > 5 and got == expect(out, umask)
     # and what it wrote is a working MoE

@@ -31,7 +31,7 @@ def workdir(tmp_path_factory, real_moe):
 
     smollm2_importable()
     work = tmp_path_factory.mktemp("readme")
-    suffix = real_moe.name[len(smollm2_float_dir().name) :]  # -moe16-top4-<version>-<key>
+    suffix = real_moe.name[len(smollm2_float_dir().name) :]  # -moe16-top4-<key>
     assert suffix.startswith("-moe16-top4-"), real_moe.name
     (work / "moe-cache").mkdir()
     (work / "moe-cache" / f"smollm2-f32{suffix}").symlink_to(real_moe, target_is_directory=True)

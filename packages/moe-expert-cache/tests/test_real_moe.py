@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 
-from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model
-from moe_expert_cache.moefy import BUILD_RECORD, MoefyConfig, load_dense, moefy
+from membound_testing.moefy import BUILD_RECORD, MoefyConfig, load_dense, moefy
+from moe_expert_cache import ExpertCacheConfig, generate, load_cached_model, seal_model
 
 QUESTION = "What is the capital of France?"
 NEW_TOKENS = 12
@@ -128,10 +128,14 @@ def test_moefy_refuses_bad_settings_and_leaves_nothing(tmp_path, real_moe):
             tmp_path / "m",
             list(range(64)),
             MoefyConfig(num_experts=7),
+            seal=seal_model,
         )
     with pytest.raises(ValueError, match="calibration_ids"):
         moefy(
-            json.loads((real_moe / BUILD_RECORD).read_text())["source"], tmp_path / "m", [1, 2, 3]
+            json.loads((real_moe / BUILD_RECORD).read_text())["source"],
+            tmp_path / "m",
+            [1, 2, 3],
+            seal=seal_model,
         )
     assert list(tmp_path.iterdir()) == []
 

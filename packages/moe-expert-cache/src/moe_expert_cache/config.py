@@ -27,33 +27,44 @@ def _is_float(v) -> bool:
 
 @dataclass
 class ExpertCacheConfig:
-    """How many experts stay resident and how misses are handled.
+    """How many experts stay resident and how misses are handled; checked on construction.
 
     Give at most one of ``capacity`` and ``capacity_share``; with neither, half of each
     layer's experts are resident (``capacity_share=0.5``).
-    ``capacity``: an int, the experts resident in each MoE layer; or a sequence, one count
-    per MoE layer (adaptive capacity, see :func:`moe_expert_cache.profile.adaptive_capacity`).
-    A float here is deprecated: it is read as ``capacity_share`` with a
-    ``DeprecationWarning``.
-    ``capacity_share``: a number in (0, 1], the share of each MoE layer's experts resident,
-    rounded to the nearest count (``capacity_share=1`` keeps every expert, ``capacity=1``
-    one).
-    ``mode``: ``exact`` loads misses before the layer computes (stock output); ``skip``
-    computes without them and loads them between tokens.
-    ``pinned``: MoE layer number -> experts that never leave. ``initial``: MoE layer number
-    -> experts to load first (a warm start). ``max_layer_updates``: at most this many layers
-    swap per between-token update; ``max_swaps_per_layer``: at most this many swaps each
-    (``None``: no limit). ``num_experts`` / ``top_k``: when set (a warm start from a saved
-    state, see :func:`moe_expert_cache.manager.config_from_state`), the model must have exactly
-    these experts per MoE layer and this top-k.
-    ``prefetch``: speculative prefetch (exact mode only, see
-    :mod:`moe_expert_cache.prefetch`): before each MoE layer after the first runs its
-    attention, its router is applied to its input and the guessed experts that are not
-    resident are read on a background thread. The output stays the stock model's.
-    ``map_embeddings``: leave the input embedding table in the mmap'd shard and copy out
-    only each forward's rows (see :mod:`moe_expert_cache.mapped_embedding`): file-backed
-    memory a hard limit can evict, instead of the whole table in MLX's anonymous buffers.
-    Needs an untied float embedding; the output stays the stock model's.
+
+    Args:
+        capacity: The experts resident in each MoE layer, an int; or a sequence, one count
+            per MoE layer (adaptive capacity, see
+            :func:`moe_expert_cache.profile.adaptive_capacity`). A float here is
+            deprecated: it is read as ``capacity_share`` with a ``DeprecationWarning``.
+        capacity_share: A number in (0, 1], the share of each MoE layer's experts
+            resident, rounded to the nearest count (``capacity_share=1`` keeps every
+            expert, ``capacity=1`` one).
+        mode: ``"exact"`` loads misses before the layer computes (stock output);
+            ``"skip"`` computes without them and loads them between tokens.
+        policy: The eviction policy, a name in ``moe_expert_cache.policies.POLICIES``.
+        pinned: MoE layer number -> experts that never leave.
+        initial: MoE layer number -> experts to load first (a warm start).
+        max_layer_updates: At most this many layers swap per between-token update
+            (``None``: no limit).
+        max_swaps_per_layer: At most this many swaps in each (``None``: no limit).
+        num_experts: When set (a warm start from a saved state, see
+            :func:`moe_expert_cache.manager.config_from_state`), the model must have
+            exactly these experts per MoE layer.
+        top_k: When set, likewise the model's top-k.
+        prefetch: Speculative prefetch (exact mode only, see
+            :mod:`moe_expert_cache.prefetch`): before each MoE layer after the first runs
+            its attention, its router is applied to its input and the guessed experts that
+            are not resident are read on a background thread. The output stays the stock
+            model's.
+        map_embeddings: Leave the input embedding table in the mmap'd shard and copy out
+            only each forward's rows (see :mod:`moe_expert_cache.mapped_embedding`):
+            file-backed memory a hard limit can evict, instead of the whole table in MLX's
+            anonymous buffers. Needs an untied float embedding; the output stays the stock
+            model's.
+
+    Raises:
+        ExpertCacheError: A field of the wrong type or out of range, named.
     """
 
     capacity: int | Sequence[int] | None = None

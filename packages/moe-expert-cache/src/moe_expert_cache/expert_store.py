@@ -1,11 +1,12 @@
 """The lazy expert store: non-expert weights are materialised, experts read one at a time.
 
 A model directory may carry an integrity record, ``moe-expert-cache.integrity.json``
-(written by :func:`seal_model`, and for every checkpoint that ``moefy`` and the test
-helper ``membound_testing.random_moe.write_random_moe`` write): the SHA-256 of ``config.json``, of the index
-and of every shard's header, and a CRC-32 of every non-expert tensor and of every expert
-row. When it is there, every header is checked at open and every tensor or expert row
-when it is read, so a changed weight byte is refused.
+(written by :func:`seal_model`, which membound's developer helpers
+``membound_testing.moefy`` and ``membound_testing.random_moe`` are given to seal what they
+write): the SHA-256 of ``config.json``, of the index and of every shard's header, and a
+CRC-32 of every non-expert tensor and of every expert row. When it is there, every header
+is checked at open and every tensor or expert row when it is read, so a changed weight
+byte is refused.
 Without it (a checkpoint from elsewhere), only the structure can be checked.
 """
 
@@ -37,6 +38,8 @@ _EXPERT_KEY = re.compile(
 )
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 INTEGRITY_FILE = "moe-expert-cache.integrity.json"
+# A new version refuses older records: bump membound_testing.moefy's BUILD_FORMAT with it,
+# so that its cached builds are made again.
 INTEGRITY_FORMAT, INTEGRITY_VERSION = "moe-expert-cache-integrity", 1
 # Small files whose bytes the integrity record covers, when the directory has them.
 _SEALED_FILES = ("config.json", "model.safetensors.index.json")
@@ -191,8 +194,19 @@ def _crc_record(shard: SafetensorsShard) -> dict:
 
 
 def seal_model(model_dir: str | Path) -> Path:
-    """Write ``model_dir``'s integrity record (see the module docstring) and return its
-    path. Reads every shard once; run it on a checkpoint you trust."""
+    """Write ``model_dir``'s integrity record (see the module docstring).
+
+    Reads every shard once; run it on a checkpoint you trust.
+
+    Args:
+        model_dir: An mlx-lm checkpoint directory.
+
+    Returns:
+        The record's path, ``model_dir / "moe-expert-cache.integrity.json"``.
+
+    Raises:
+        ExpertCacheError: A shard or index that cannot be read as safetensors.
+    """
     model_dir = Path(model_dir)
     shards = open_shards(model_dir)
     try:

@@ -40,6 +40,19 @@ def generate(
 
     With a ``manager`` (a cached model), the cache updates between tokens; without one the
     same loop runs the stock model, so the two time the same work.
+
+    Args:
+        model: An mlx-lm model, cached (``CachedModel.model``) or stock.
+        prompt_ids: The prompt's token ids, at least one, each in [0, vocab_size).
+        max_tokens: Tokens to generate, >= 1.
+        manager: The cached model's ``CachedModel.manager``; ``None`` for a stock model.
+
+    Returns:
+        The tokens, the prompt's seconds and the seconds of the tokens after the first
+        (``tokens_per_s``).
+
+    Raises:
+        ExpertCacheError: ``max_tokens`` < 1, an empty prompt or an id out of range.
     """
     if max_tokens < 1:
         raise ExpertCacheError(f"max_tokens must be >= 1, got {max_tokens}")

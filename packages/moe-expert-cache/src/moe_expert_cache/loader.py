@@ -32,7 +32,15 @@ SWITCH_ATTRS = ("switch_mlp", "experts")
 
 @dataclass
 class CachedModel:
-    """The patched mlx-lm ``model``, its cache ``manager``, the ``store`` and ``config.json``."""
+    """What :func:`load_cached_model` returns.
+
+    Attributes:
+        model: The mlx-lm model with its MoE blocks replaced by cached ones; drive it with
+            ``mlx_lm.generate`` or :func:`moe_expert_cache.generate`.
+        manager: The cache manager: metrics, state, traces, between-token updates.
+        store: The expert store reading the checkpoint's shards.
+        model_config: The checkpoint's ``config.json``, checked.
+    """
 
     model: nn.Module
     manager: ExpertCacheManager
@@ -201,15 +209,27 @@ def _is_float(a: mx.array) -> bool:
 def load_cached_model(
     model_dir: str | Path, config: ExpertCacheConfig | None = None
 ) -> CachedModel:
-    """Load ``model_dir`` (mlx-lm layout: ``config.json`` + ``model*.safetensors``) with
-    only ``config.capacity`` experts (or ``config.capacity_share`` of them; by default
-    half) per MoE layer resident.
+    """Load an mlx-lm MoE checkpoint with only some experts per MoE layer resident.
 
     Non-expert weights are read and materialised (except the input embedding table with
     ``config.map_embeddings``, which stays in the shard's memory map); expert tensors are
-    read one expert at a time by byte range. Raises ``FileNotFoundError`` for a missing directory or shard and
-    :class:`ExpertCacheError` (a ``ValueError``) for a damaged or inconsistent shard or
-    ``config.json``, a model without MoE layers or a bad capacity.
+    read one expert at a time by byte range.
+
+    Args:
+        model_dir: The checkpoint directory, mlx-lm layout: ``config.json``,
+            ``model*.safetensors`` (and the index when sharded).
+        config: The cache's settings (default ``ExpertCacheConfig()``: half of each
+            layer's experts resident, exact mode).
+
+    Returns:
+        The cached model, its manager, store and config.
+
+    Raises:
+        FileNotFoundError: No ``config.json`` in ``model_dir``, or a shard missing
+            (:class:`MissingShardError`, also an :class:`ExpertCacheError`).
+        ExpertCacheError: A damaged or inconsistent shard or ``config.json``, an
+            unsupported model type, a model without MoE layers or a capacity that does
+            not fit; a ``ValueError``.
     """
     config = config or ExpertCacheConfig()
     model_dir = Path(model_dir)

@@ -149,9 +149,21 @@ def check_token_ids(ids: mx.array, vocab_size: int | None) -> None:
 
 
 def read_state(path: str | Path) -> dict:
-    """A state saved by :meth:`ExpertCacheManager.save_state`, verified and validated:
-    every expert id an integer in range, residents distinct and within capacity, pinned
-    experts resident and leaving ``top_k`` free slots."""
+    """Read a cache state saved by :meth:`ExpertCacheManager.save_state`, verified and
+    validated: every expert id an integer in range, residents distinct and within
+    capacity, pinned experts resident and leaving ``top_k`` free slots.
+
+    Args:
+        path: The state file.
+
+    Returns:
+        The state: ``num_experts``, ``top_k``, ``resident`` and ``pinned`` (one list of
+        expert ids per MoE layer); pass it to :func:`config_from_state`.
+
+    Raises:
+        ExpertCacheError: A checksum mismatch, another format or version, or a state
+            that does not hold together, naming the field and MoE layer.
+    """
     doc = loads_checksummed(Path(path).read_bytes(), str(path))
     if doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
         raise ExpertCacheError(
@@ -197,8 +209,16 @@ def read_state(path: str | Path) -> dict:
 
 
 def config_from_state(config: ExpertCacheConfig, state: dict) -> ExpertCacheConfig:
-    """``config`` warm-started from ``state``: same capacities, residents and pins (the
-    model must have the state's experts per layer and top-k)."""
+    """``config`` warm-started from a saved state.
+
+    Args:
+        config: The settings to keep (mode, policy, prefetch, ...).
+        state: A state from :func:`read_state`.
+
+    Returns:
+        A copy of ``config`` with the state's capacities, residents and pins; the model it
+        loads must have the state's experts per layer and top-k.
+    """
     return replace(
         config,
         capacity=[len(r) for r in state["resident"]],

@@ -1,5 +1,5 @@
 """moe-expert-cache: SmolLM2-135M MoEfied into a shared expert of 256 neurons and 16 routed
-experts of 80 per layer (a real-weights Qwen2-MoE built by moe_expert_cache.moefy, top-6),
+experts of 80 per layer (a real-weights Qwen2-MoE built by membound_testing.moefy, top-6),
 with half of its routed experts resident, exact mode.
 
 The checkpoint is built once by the preparation step (``python -m
@@ -14,13 +14,15 @@ NEW_TOKENS = 24
 
 
 def moe_checkpoint() -> Path:
-    """The MoE checkpoint, keyed by the package version and everything the build reads."""
+    """The MoE checkpoint, keyed by everything the build reads, sealed by the package."""
     from membound_testing.models import cache_dir, smollm2_float_dir
-    from moe_expert_cache.moefy import MoefyConfig, moefy_cached
+    from membound_testing.moefy import MoefyConfig, moefy_cached
+    from moe_expert_cache import seal_model
 
     # The shared expert carries the neurons nearly every token uses; the Mixtral build
     # (shared_size=0) answers symbols at top-4 (moe-expert-cache README, Limits).
-    return moefy_cached(smollm2_float_dir(), cache_dir(), MoefyConfig(shared_size=256, top_k=6))
+    config = MoefyConfig(shared_size=256, top_k=6)
+    return moefy_cached(smollm2_float_dir(), cache_dir(), config, seal=seal_model)
 
 
 def moe_expert_cache_row() -> Row:

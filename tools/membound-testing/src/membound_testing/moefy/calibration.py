@@ -1,7 +1,13 @@
-"""Calibration text for :func:`moe_expert_cache.moefy.moefy`: English prose (the two
-passages membound wrote for paired-cache's quality benchmark) and this package's own
-source code, so that the experts are clustered on both kinds of text. The benchmarks'
-held-out texts share nothing with it."""
+"""Calibration text for :func:`membound_testing.moefy.moefy_cached`: English prose (the two
+passages membound wrote for paired-cache's quality benchmark) and a sample of Python source,
+so that the experts are clustered on both kinds of text. moe-expert-cache's benchmarks'
+held-out texts share nothing with it.
+
+The code sample is ``calibration_code.txt``: moe-expert-cache 0.9.0's ``policies.py`` and
+``slots.py``, kept here as data. Through moe-expert-cache 0.9.0 the text was read from the
+installed package, so an edit to either module built the MoE anew; the copy keeps the
+calibration tokens, and so the build, fixed.
+"""
 
 from __future__ import annotations
 
@@ -46,11 +52,12 @@ PROSE = (
     "answer stays the same."
 )
 
-# Modules of this package read as code text; the benchmarks hold out simulator.py and trace.py.
-CODE_MODULES = ("policies.py", "slots.py")
-
 
 def calibration_text() -> str:
-    """The prose, then each module's source."""
-    here = Path(__file__).parent
-    return "\n\n".join([PROSE] + [(here / m).read_text() for m in CODE_MODULES])
+    """The calibration text.
+
+    Returns:
+        The prose, a blank line, then the code sample.
+    """
+    code = (Path(__file__).parent / "calibration_code.txt").read_text(encoding="utf-8")
+    return PROSE + "\n\n" + code
