@@ -75,6 +75,25 @@ def _view(handle, ptr, nbytes: int, dtype, shape: tuple[int, ...]) -> torch.Tens
     return flat[:nbytes].view(dtype).view(shape)
 
 
+def _checked_options(n: int, gate_cols: int, capacity, config, gate_rows):
+    """(capacity, a private copy of config), once capacity (None: N), config and
+    gate_rows are checked."""
+    capacity = n if capacity is None else capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
+        raise PairedCacheError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
+    config = PairedCacheConfig() if config is None else config
+    if not isinstance(config, PairedCacheConfig):
+        raise PairedCacheError(f"config must be a PairedCacheConfig, got {type(config).__name__}")
+    # replace() runs PairedCacheConfig's checks again (a field may have been set since) and
+    # keeps a copy, so later changes to the caller's config cannot reach the C core.
+    config = dataclasses.replace(config)
+    if not isinstance(gate_rows, bool):
+        raise PairedCacheError(f"gate_rows must be a bool, got {gate_rows!r}")
+    if not gate_rows and gate_cols == 0:
+        raise PairedCacheError("gate_rows=False needs a gate to leave in the pool (gate=None)")
+    return capacity, config
+
+
 class PairedCache:
     """Rows of gate/up and of down transposed for the active neurons of one gated MLP.
 
@@ -138,6 +157,17 @@ class PairedCache:
         active buffers (the only anonymous memory, capacity rows), and the pool views
         (neuron_pool, gate_pool, up_pool, down_pool_T) alias the mapping. Writing to those
         views faults: the mapping is read-only.
+
+        Args:
+            pool_file: an uncompressed PoolFile.
+            layer: the layer, by name or index.
+            capacity, config, init_mask, gate_rows: as the constructor's.
+
+        Returns:
+            The PairedCache.
+
+        Raises:
+            PairedCacheError: not a PoolFile, a compressed pool, or an unknown layer.
         """
         from paired_cache.pool_file import PoolFile
 
@@ -173,21 +203,7 @@ class PairedCache:
         """Validate capacity, config, init_mask and gate_rows, then create the C cache and its
         views; mapped: a read-only buffer of the pool rows (pc_create_mapped), or None to
         allocate."""
-        capacity = n if capacity is None else capacity
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= n:
-            raise PairedCacheError(f"capacity must be an int in [1, N={n}], got {capacity!r}")
-        config = PairedCacheConfig() if config is None else config
-        if not isinstance(config, PairedCacheConfig):
-            raise PairedCacheError(
-                f"config must be a PairedCacheConfig, got {type(config).__name__}"
-            )
-        # replace() runs PairedCacheConfig's checks again (a field may have been set since) and
-        # keeps a copy, so later changes to the caller's config cannot reach the C core.
-        config = dataclasses.replace(config)
-        if not isinstance(gate_rows, bool):
-            raise PairedCacheError(f"gate_rows must be a bool, got {gate_rows!r}")
-        if not gate_rows and gate_cols == 0:
-            raise PairedCacheError("gate_rows=False needs a gate to leave in the pool (gate=None)")
+        capacity, config = _checked_options(n, gate_cols, capacity, config, gate_rows)
         # Columns of gate held in the active rows: all of them, or none with gate_rows=False.
         self.gate_rows, self.active_gate_cols = gate_rows, gate_cols if gate_rows else 0
         self.n_rows, self.up_cols, self.gate_cols, self.hidden = n, up_cols, gate_cols, hidden
@@ -199,14 +215,23 @@ class PairedCache:
                 raise PairedCacheError(
                     f"init_mask selects {selected} rows but capacity is {capacity}"
                 )
+        self._handle = self._new_core(mapped)
+        self._lock = threading.Lock()
+        self._stats = ffi.new("pc_stats *")
+        self._count = ffi.new("int64_t *")
+        self._make_views(mapped)
 
-        size = dtype.itemsize
+    def _new_core(self, mapped):
+        """The C cache for this cache's sizes and config, its pool allocated (mapped None) or
+        over the mapped rows; freed when the handle is collected."""
+        n, gate_cols, up_cols, hidden = self.n_rows, self.gate_cols, self.up_cols, self.hidden
+        config, capacity = self.config, self.capacity
         cfg = ffi.new("pc_config *")
         cfg.n_rows, cfg.gate_cols, cfg.up_cols, cfg.hidden = n, gate_cols, up_cols, hidden
-        cfg.elem_size, cfg.capacity = size, capacity
+        cfg.elem_size, cfg.capacity = self.dtype.itemsize, capacity
         cfg.hybrid_tau, cfg.grain = config.hybrid_tau, config.grain
         cfg.par_threshold, cfg.num_threads = config.par_threshold, config.num_threads
-        cfg.skip_gate = 0 if gate_rows else 1
+        cfg.skip_gate = 0 if self.gate_rows else 1
         out = ffi.new("pc_cache **")
         if mapped is None:
             rc = lib.pc_create(cfg, out)
@@ -221,11 +246,13 @@ class PairedCache:
                 f"pc_create failed ({ERROR_NAMES.get(rc, rc)}) for N={n}, gate_cols={gate_cols}"
                 f", up_cols={up_cols}, hidden={hidden}, capacity={capacity}"
             )
-        self._handle = ffi.gc(out[0], lambda ptr, _keep=keep: lib.pc_destroy(ptr))
-        self._lock = threading.Lock()
-        self._stats = ffi.new("pc_stats *")
-        self._count = ffi.new("int64_t *")
-        h, row = self._handle, gate_cols + up_cols
+        return ffi.gc(out[0], lambda ptr, _keep=keep: lib.pc_destroy(ptr))
+
+    def _make_views(self, mapped) -> None:
+        """The pool views (over the mapping when mapped) and the active buffers' views."""
+        h, n, dtype, size = self._handle, self.n_rows, self.dtype, self.dtype.itemsize
+        gate_cols, hidden, capacity = self.gate_cols, self.hidden, self.capacity
+        row = gate_cols + self.up_cols
         # Pool rows are padded to a multiple of 64 bytes and of the element size by the core:
         # stride elements per row, of which the first gate_cols + up_cols + hidden are used.
         stride = lib.pc_pool_row_bytes(h) // size
@@ -242,7 +269,7 @@ class PairedCache:
         self.gate_pool = self.neuron_pool[:, :gate_cols] if gate_cols else None
         self.up_pool = self.neuron_pool[:, gate_cols:row]  # (N, up_cols)
         self.down_pool_T = self.neuron_pool[:, row:]  # (N, hidden)
-        active_row = self.active_gate_cols + up_cols
+        active_row = self.active_gate_cols + self.up_cols
         self._active_gate_up = _view(
             h, lib.pc_active_gate_up(h), capacity * active_row * size, dtype, (capacity, active_row)
         )
@@ -278,9 +305,16 @@ class PairedCache:
         return mask if mask.is_contiguous() else mask.contiguous()
 
     def update(self, new_mask) -> UpdateInfo:
-        """Make the active set equal to new_mask: (N,) bool, at most capacity rows set.
+        """Make the active set equal to new_mask, copying only the rows that change.
 
-        Raises PairedCacheError (cache unchanged) for a bad mask or one over capacity.
+        Args:
+            new_mask: (N,) bool on the CPU, at most capacity rows set.
+
+        Returns:
+            The UpdateInfo: rows added, removed and copied, and whether it rebuilt.
+
+        Raises:
+            PairedCacheError: a bad mask or one over capacity (the cache is unchanged).
         """
         data = self._mask_bytes(new_mask)
         with self._lock:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from paired_cache.compressed_pool import FrameReader
+from paired_cache.compressed_pool import CompressedLayer, FrameReader
 from paired_cache.errors import PairedCacheError
 from paired_cache.mask_sources import Activation, MaskSource
 from paired_cache.pool_file import PoolFile
@@ -72,12 +72,15 @@ class CompressedSparseMLP(SparseMLP):
         return 0 if self._kept is None else int(self._kept[2].sum())
 
     def keep_decoded(self, keep: bool = True) -> None:
-        """Keep the rows this layer decompresses from now on (True), or drop them (False).
+        """Keep the rows this layer decompresses from now on, or drop them.
 
         Kept rows live in two (N, up_cols) and (N, hidden) tensors of anonymous memory,
         filled as tokens pick rows (a dense prefill fills them all); a token then reads and
         decompresses only its rows not kept yet. Its products are unchanged: the same
         rows, in the same order, as without.
+
+        Args:
+            keep: True keeps them, False drops those kept.
         """
         if not isinstance(keep, bool):
             raise PairedCacheError(f"keep must be a bool, got {keep!r}")
@@ -167,6 +170,9 @@ class CompressedSparseMLP(SparseMLP):
             calibration, config, **options: as SparseMLP.from_pool_file (config is
                 accepted for a uniform call and unused: no PairedCache is made).
 
+        Returns:
+            The CompressedSparseMLP.
+
         Raises:
             PairedCacheError: rows other than "in_place", no gate or a gate that does not
                 fit, a source that does not compute act(gate x), a format-1 pool.
@@ -188,23 +194,8 @@ class CompressedSparseMLP(SparseMLP):
         spec = pool_file.layers[index]
         # Per-layer options (load_sparse's predictor weights): this layer's.
         options = _layer_options(options, index)
-        if not source_class(source).gives_gate_for(**options):
-            raise PairedCacheError(
-                f"{spec.name}: mask source {source!r} does not compute act(gate x), and a "
-                f"compressed pool holds no gate: use cats or trained with a gated predictor, "
-                f"or an uncompressed pool converted with its gate"
-            )
-        if (
-            not isinstance(gate, torch.Tensor)
-            or gate.shape != (spec.n_rows, spec.up_cols)
-            or gate.dtype != pool_file.dtype
-        ):
-            got = f"{tuple(gate.shape)} {gate.dtype}" if isinstance(gate, torch.Tensor) else gate
-            raise PairedCacheError(
-                f"{spec.name}: a compressed pool holds no gate; pass gate=, the "
-                f"({spec.n_rows}, {spec.up_cols}) {pool_file.dtype} gate_proj weight (load_sparse "
-                f"maps it from the safetensors), got {got}"
-            )
+        _check_gives_gate(spec, source, options)
+        _check_gate(pool_file, spec, gate)
         src = make_source(source, gate, None, act, fraction, calibration, **options)
         sparse = cls(pool_file.frame_reader(index), gate, act, src, prefill)
         sparse._will_read_pool = functools.partial(pool_file.will_need, index)
@@ -229,6 +220,30 @@ class CompressedSparseMLP(SparseMLP):
         self.pool_rows_read += self.frames.n_rows
         h = self.act_fn(self.gate_proj(x)) * F.linear(x, up)  # (T, N)
         return h @ down_T
+
+
+def _check_gives_gate(spec: CompressedLayer, source: str, options: dict) -> None:
+    if not source_class(source).gives_gate_for(**options):
+        raise PairedCacheError(
+            f"{spec.name}: mask source {source!r} does not compute act(gate x), and a "
+            f"compressed pool holds no gate: use cats or trained with a gated predictor, "
+            f"or an uncompressed pool converted with its gate"
+        )
+
+
+def _check_gate(pool_file: PoolFile, spec: CompressedLayer, gate) -> None:
+    """Refuse a gate that is not a tensor of the layer's (N, up_cols) and the pool's dtype."""
+    if (
+        not isinstance(gate, torch.Tensor)
+        or gate.shape != (spec.n_rows, spec.up_cols)
+        or gate.dtype != pool_file.dtype
+    ):
+        got = f"{tuple(gate.shape)} {gate.dtype}" if isinstance(gate, torch.Tensor) else gate
+        raise PairedCacheError(
+            f"{spec.name}: a compressed pool holds no gate; pass gate=, the "
+            f"({spec.n_rows}, {spec.up_cols}) {pool_file.dtype} gate_proj weight (load_sparse "
+            f"maps it from the safetensors), got {got}"
+        )
 
 
 def keep_decoded(model: torch.nn.Module, max_bytes: int) -> list[str]:

@@ -21,7 +21,18 @@ DEFAULT_RANK = 128  # SmolLM2-135M: ~30% of the dense gate+up cost, recall ~0.65
 
 
 def active_rows(fraction: float, n_rows: int) -> int:
-    """k = round(fraction * N), at least 1; PairedCacheError unless 0 < fraction <= 1."""
+    """How many of n_rows rows a fraction picks.
+
+    Args:
+        fraction: a number in (0, 1].
+        n_rows: N, the rows to pick from.
+
+    Returns:
+        k = round(fraction * N), at least 1 and at most N.
+
+    Raises:
+        PairedCacheError: fraction is not a number in (0, 1].
+    """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise PairedCacheError(f"fraction must be a number in (0, 1], got {fraction!r}")
     if not 0.0 < fraction <= 1.0:
@@ -71,14 +82,23 @@ def top_k_rows(
     core: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k rows with the largest |gate| * E|up x| (|gate| without up_mean and up_sd), up
-    x ~ Normal(up_mean, up_sd^2): their ids ascending, (k,) int32, and gate at them.
+    x ~ Normal(up_mean, up_sd^2). What CATS and the gated trained predictor select with.
 
-    gate: (N,) act(gate x); up_mean, up_sd: (N,) float32 or both None. With core=True (the
-    default) and a float32 gate, scored and selected by the C core in one call
-    (pc_select_gated_f32: ties to the lowest ids, NaN above +inf), ~14 µs instead of
-    ~40-80 in torch on SmolLM2's N = 1536, the same rows; otherwise scored in torch
-    (float32 scores, torch.topk), the reference the core is tested against. What CATS and
-    the gated trained predictor select with."""
+    Args:
+        gate: (N,) act(gate x).
+        k: how many rows, an int in [1, N].
+        up_mean, up_sd: (N,) float32, or both None.
+        core: with a float32 gate, score and select in one call of the C core
+            (pc_select_gated_f32: ties to the lowest ids, NaN above +inf; the same rows,
+            faster); otherwise, or with False, in torch (float32 scores, torch.topk), the
+            reference the core is tested against.
+
+    Returns:
+        The rows' ids ascending, (k,) int32, and gate at them, (k,).
+
+    Raises:
+        PairedCacheError: a bad k, or only one of up_mean and up_sd.
+    """
     n = gate.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise PairedCacheError(f"top_k_rows: k must be an int in [1, {n}], got {k!r}")

@@ -34,9 +34,9 @@ from paired_cache.registry import source_class
 from paired_cache.safetensors_map import SafetensorsMap
 from paired_cache.sparse_base import SAVE_REFUSED, CachedMLP, check_prefill, check_window
 from paired_cache.sparse_mlp import (
-    ROW_MODES,
     SparseMLP,
     check_in_place_window,
+    check_rows,
     guard_sparse_model,
 )
 from paired_cache.trained_predictor import load_predictors
@@ -75,9 +75,19 @@ def _mlp_prefixes(names) -> list[str]:
 
 
 def iter_mlp_weights(source: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor, ...]]:
-    """(name, gate (N, h), up (N, h), down (h, N)) of every gated MLP of a model on storage:
-    a HF directory or .safetensors file (read through the mapping), or a .gguf file
-    (loaded and dequantised by transformers)."""
+    """The weights of every gated MLP of a model on storage, in layer order.
+
+    Args:
+        source: a HF directory or .safetensors file (read through the mapping), or a
+            .gguf file (loaded and dequantised by transformers, which needs ``gguf``).
+
+    Returns:
+        An iterator of (name, gate (N, hidden), up (N, hidden), down (hidden, N)), the
+        tensors in the model's dtype; name as ``model.layers.0.mlp``.
+
+    Raises:
+        PairedCacheError: no safetensors, no gated MLP, or an MLP missing a weight.
+    """
     source = Path(source)
     if source.suffix == ".gguf":
         yield from _gguf_mlp_weights(source)
@@ -159,20 +169,31 @@ def convert(
     compress: bool = False,
     compress_level: int = DEFAULT_LEVEL,
 ):
-    """Write every gated MLP of the model at source into the pool file out; returns its
-    PoolLayer list (CompressedLayer with compress). Nothing is left at out when it fails.
+    """Write every gated MLP of the model at source into the pool file out. Nothing is
+    left at out when it fails.
 
-    gate=False writes rows of up | down_T only (gate_cols 0): a third smaller for a
-    SwiGLU MLP, for load_sparse with a mask source that computes act(gate x) itself
-    ("cats", "trained" with the gated predictor) from gate_proj mapped from the model's
-    safetensors. Every row a token reads, and every layer the in-place read-ahead asks
-    for, is then the bytes the kernel multiplies and nothing else. None (the default):
-    True, or False with compress.
+    Args:
+        source: a HF directory, a .safetensors file or a .gguf file (iter_mlp_weights).
+        out: the pool file to write.
+        gate: False writes rows of up | down_T only (gate_cols 0): a third smaller for a
+            SwiGLU MLP, for load_sparse with a mask source that computes act(gate x)
+            itself ("cats", "trained" with the gated predictor) from gate_proj mapped
+            from the model's safetensors; every row a token reads is then the bytes the
+            kernel multiplies and nothing else. None (the default): True, or False with
+            compress.
+        progress: draw a progress bar on stderr.
+        compress: write a compressed pool (format 2): no gate, and each neuron's up |
+            down_T row as one zstd frame, which load_sparse reads in place
+            (rows="in_place") with cats or the gated predictor, decompressing a token's
+            picked rows only.
+        compress_level: the zstd level, in [1, 22].
 
-    compress=True writes a compressed pool (format 2): no gate, and each neuron's up |
-    down_T row as one zstd frame (compress_level in [1, 22], 3 by default),
-    which load_sparse reads in place (rows="in_place") with cats or the gated predictor,
-    decompressing a token's picked rows only."""
+    Returns:
+        The pool file's layers: a PoolLayer list (CompressedLayer with compress).
+
+    Raises:
+        PairedCacheError: a bad argument, a missing source, or a model with no gated MLP.
+    """
     if not isinstance(compress, bool):
         raise PairedCacheError(f"compress must be a bool, got {compress!r}")
     check_level(compress_level)
@@ -207,8 +228,18 @@ def save_dense(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -
 
     Unlike save_pretrained it takes a model loaded from a GGUF (whose weights are plain
     float tensors once transformers dequantised them; save_pretrained refuses it). Written
-    to a temporary directory beside `directory` and renamed: `directory` must not exist
-    (or be empty), and a failure leaves nothing there. A sparsified model is refused.
+    to a temporary directory beside `directory` and renamed: a failure leaves nothing there.
+
+    Args:
+        model: a dense transformers model (not sparsified).
+        directory: where to write; must not exist, or be empty.
+        tokenizer: a tokenizer to save beside it, or None.
+
+    Returns:
+        The directory, as a Path.
+
+    Raises:
+        PairedCacheError: a sparsified model, or a directory that exists and is not empty.
     """
     import shutil
     import tempfile
@@ -247,7 +278,15 @@ class LoadConfig:
     them; see load_sparse for what each means). A bad value raises PairedCacheError naming
     it and what was expected.
 
-    rows: None resolves to "in_place" for window 1 and "copy" for a larger window.
+    rows: "in_place" (each token's rows multiplied where they lie in the mapped pool, no
+    active rows kept; window 1) or "copy" (the paired-replacement cache of active rows,
+    anonymous memory; any window): SparseMLP.from_pool_file. None (the default) resolves
+    to "in_place" for window 1 and "copy" for a larger window. In place is faster and fits
+    a lower hard limit (README, "Under a hard memory limit").
+
+    prefill: "dense" (the default: a prompt's MLPs over every row at once, exact; decoding
+    stays sparse) or "sparse" (a prompt's tokens each with its own mask, as decoding):
+    SparseMLP.prefill.
 
     read_ahead: the safetensors are mapped ``MADV_RANDOM`` and, as each decoder layer
     starts, the kernel is asked (``MADV_WILLNEED``) for the mapped tensors the next one
@@ -299,8 +338,7 @@ class LoadConfig:
         check_prefill(self.prefill)
         if self.rows is None:
             self.rows = "in_place" if self.window == 1 else "copy"
-        if self.rows not in ROW_MODES:
-            raise PairedCacheError(f"rows must be one of {ROW_MODES}, got {self.rows!r}")
+        check_rows(self.rows)
         if self.rows == "in_place":
             check_in_place_window(self.window)
         if not isinstance(self.read_ahead, bool):
@@ -340,23 +378,13 @@ def load_sparse(
         pool_path: the pool file convert wrote from it, with or without the gate, or
             compressed (then rows="in_place" and a source that computes act(gate x)).
         source: a MASK_SOURCES name whose build needs no calibration inputs ("cats",
-            "oracle", or "trained" with predictor=PATH, a file of
-            paired_cache.trained_predictor.save_predictors).
+            "oracle", or "trained" with predictor=PATH, a file of save_predictors).
         fraction: the share of each MLP's rows a token reads, in (0, 1].
         config: the caches' PairedCacheConfig (None: its defaults).
         window: tokens whose masks' union stays resident, in [1, 1024].
-        rows: "in_place" (each token's rows multiplied where they lie in the mapped pool,
-            no active rows kept; window 1) or "copy" (the paired-replacement cache of
-            active rows, anonymous memory; any window): SparseMLP.from_pool_file. None
-            (the default): "in_place" for window 1, else "copy". In place is faster and
-            fits a lower hard limit (README, "Under a hard memory limit").
-        read_ahead: ask the kernel for the next layer's mapped tensors while this one
-            computes (LoadConfig says how).
-        keep_cached: "auto", a byte count or None: what each token reads in full that
-            stays cached from one token to the next (LoadConfig says how).
-        prefill: "dense" (the default: a prompt's MLPs over every row at once, exact;
-            decoding stays sparse) or "sparse" (a prompt's tokens each with its own mask,
-            as decoding): SparseMLP.prefill.
+        rows, read_ahead, keep_cached, prefill: where a token's rows are read from
+            ("in_place" or "copy"), what is read ahead and what stays in the page cache,
+            how a prompt's MLPs run; LoadConfig says what each value does.
         **options: the mask source's options; predictor=PATH for "trained".
 
     Returns:
@@ -366,56 +394,26 @@ def load_sparse(
         PairedCacheError: a bad argument (before anything is read), a missing model
             directory, a pool file or predictor file that does not match the model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     load = LoadConfig(
         source, fraction, config, window, rows, read_ahead, keep_cached, prefill, options
     )
     model_dir = _model_dir(model_dir)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
-    pools = PoolFile(pool_path)
-    if pools.compressed and load.rows != "in_place":
-        raise PairedCacheError(
-            f"rows={load.rows!r} (window={load.window}): {pool_path} is a compressed pool, "
-            f"read in place only; use rows='in_place' (window 1), or an uncompressed pool"
-        )
-    maps = [SafetensorsMap(p, random_access=load.read_ahead) for p in _safetensors_files(model_dir)]
-    where = {name: m for m in maps for name in m.entries}
-    _check_dtype(where, pools, pool_path, model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=pools.dtype)
-    mlp_names = [
-        name
-        for name, module in model.named_modules()
-        if (layout := mlp_layout(module)) is not None and layout.gated
-    ]
-    if [layer.name for layer in pools.layers] != mlp_names:
-        raise PairedCacheError(
-            f"{pool_path} holds layers {[layer.name for layer in pools.layers][:3]}..., the model "
-            f"built from {model_dir} has MLPs {mlp_names[:3]}... ({len(mlp_names)})"
-        )
+    pools = _open_pools(pool_path, load)
+    where = _map_safetensors(model_dir, pools, pool_path, load.read_ahead)
+    model, mlp_names = _meta_model(hf_config, pools, pool_path, model_dir)
     source_options = _source_options(load.options, mlp_names)
     used: set[str] = set()  # the mapped tensors the model reads
     for name in mlp_names:
         _put_sparse_mlp(model, name, pools, where, used, load, source_options)
     _map_parameters(model, where, used)
     _make_unsaved(model, hf_config)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise PairedCacheError(f"{model_dir}: no weights for {left[:5]} ({len(left)} tensors)")
+    _check_all_mapped(model, model_dir)
     model.eval()
     guard_sparse_model(model)
-    if load.read_ahead or load.keep_cached is not None:
-        attach_page_hooks(
-            model,
-            mlp_names,
-            pools,
-            where,
-            used,
-            in_place=load.rows == "in_place",
-            read_ahead=load.read_ahead,
-            keep_cached=load.keep_cached,
-        )
+    _attach_page_hooks(model, mlp_names, pools, where, used, load)
     return model
 
 
@@ -429,6 +427,75 @@ def _model_dir(model_dir: str | os.PathLike) -> Path:
             f"*.safetensors; save a .gguf-loaded model there with save_pretrained)"
         )
     return model_dir
+
+
+def _open_pools(pool_path: str | os.PathLike, load: LoadConfig) -> PoolFile:
+    """The pool file, refused when compressed and load's rows are not read in place."""
+    pools = PoolFile(pool_path)
+    if pools.compressed and load.rows != "in_place":
+        raise PairedCacheError(
+            f"rows={load.rows!r} (window={load.window}): {pool_path} is a compressed pool, "
+            f"read in place only; use rows='in_place' (window 1), or an uncompressed pool"
+        )
+    return pools
+
+
+def _map_safetensors(model_dir: Path, pools: PoolFile, pool_path, random_access: bool) -> dict:
+    """{tensor name: its SafetensorsMap} over model_dir's files, whose MLP weights must be
+    of the pools' dtype."""
+    maps = [SafetensorsMap(p, random_access=random_access) for p in _safetensors_files(model_dir)]
+    where = {name: m for m in maps for name in m.entries}
+    _check_dtype(where, pools, pool_path, model_dir)
+    return where
+
+
+def _meta_model(hf_config, pools: PoolFile, pool_path, model_dir: Path):
+    """(the model built on the meta device in the pools' dtype, its gated MLPs' names),
+    refused when the pool file's layers are not those MLPs."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=pools.dtype)
+    mlp_names = [
+        name
+        for name, module in model.named_modules()
+        if (layout := mlp_layout(module)) is not None and layout.gated
+    ]
+    if [layer.name for layer in pools.layers] != mlp_names:
+        raise PairedCacheError(
+            f"{pool_path} holds layers {[layer.name for layer in pools.layers][:3]}..., the model "
+            f"built from {model_dir} has MLPs {mlp_names[:3]}... ({len(mlp_names)})"
+        )
+    return model, mlp_names
+
+
+def _check_all_mapped(model: nn.Module, model_dir: Path) -> None:
+    """Refuse a model with a parameter or buffer still on the meta device."""
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise PairedCacheError(f"{model_dir}: no weights for {left[:5]} ({len(left)} tensors)")
+
+
+def _attach_page_hooks(
+    model: nn.Module,
+    mlp_names: list[str],
+    pools: PoolFile,
+    where: dict,
+    used: set[str],
+    load: LoadConfig,
+) -> None:
+    """The read-ahead and keep-cached hooks that load's read_ahead and keep_cached ask for."""
+    if load.read_ahead or load.keep_cached is not None:
+        attach_page_hooks(
+            model,
+            mlp_names,
+            pools,
+            where,
+            used,
+            in_place=load.rows == "in_place",
+            read_ahead=load.read_ahead,
+            keep_cached=load.keep_cached,
+        )
 
 
 def _check_dtype(where: dict, pools: PoolFile, pool_path, model_dir: Path) -> None:

@@ -117,14 +117,23 @@ def write_pool_file(
     progress: Callable[[str], None] | None = None,
     compress_level: int | None = None,
 ) -> list[PoolLayer] | list[CompressedLayer]:
-    """Write (name, gate (N, h), up (N, h), down (h_out, N)) of each MLP into a pool file.
+    """Write each MLP's weights into a pool file.
 
-    Every layer has one dtype among float32, float16, bfloat16, float64; a gate
-    of shape (N, 0) stands for an MLP without one. The file is written to a
-    temporary name beside path and renamed: a failure leaves no file at path.
-    compress_level: None writes format 1 (rows as the C core reads them); a zstd level
-    in [1, 22] writes format 2, one compressed frame per row of up | down_T (every gate
-    must then be (N, 0): a compressed pool holds none).
+    The file is written to a temporary name beside path and renamed: a failure leaves no
+    file at path.
+
+    Args:
+        path: the pool file to write.
+        layers: (name, gate (N, h), up (N, h), down (h_out, N)) of each MLP, every layer
+            in one dtype among float32, float16, bfloat16, float64; a gate of shape
+            (N, 0) stands for an MLP without one.
+        progress: called with each layer's name once it is written, or None.
+        compress_level: None writes format 1 (rows as the C core reads them); a zstd
+            level in [1, 22] writes format 2, one compressed frame per row of up | down_T
+            (every gate must then be (N, 0): a compressed pool holds none).
+
+    Returns:
+        The layers written: PoolLayer (format 1) or CompressedLayer (format 2) each.
     """
     if compress_level is not None:
         check_level(compress_level)
@@ -235,10 +244,40 @@ class PoolFile(MappedPages):
     The mapping is shared by every PairedCache built on it and lives as long as any of
     them (or any view of it) does; its pages are file-backed page cache, never anonymous
     memory, and the kernel may drop them under memory pressure and read them again.
+
+    Args:
+        path: a pool file written by write_pool_file (format 1 or 2).
+
+    Raises:
+        PairedCacheError: a file that is not a pool file, or a damaged one.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        header, header_start = self._map()
+        if hasattr(mmap, "MADV_RANDOM"):
+            # Updates copy scattered rows: a page fault reads its own page, not the
+            # device's readahead window around it (8 MiB on the development machines'
+            # disk), which under a memory limit evicts what is in use for rows nobody
+            # asked for.
+            self._mmap.madvise(mmap.MADV_RANDOM)
+        meta = self._read_meta(header)
+        self.layers: list[PoolLayer] | list[CompressedLayer] = []
+        self._frames: list[FrameReader] = []
+        for raw in meta["layers"]:
+            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+                raise PairedCacheError(f"{self.path}: layer entry {raw!r:.80} has no name")
+            if not isinstance(raw.get("sha256"), str) or len(raw["sha256"]) != 64:
+                raise PairedCacheError(f"{self.path}: layer {raw['name']} has no sha256")
+            if self.codec is not None:
+                self._add_compressed(raw, header_start)
+            else:
+                self._add_layer(raw, header_start)
+        self._by_name = {layer.name: i for i, layer in enumerate(self.layers)}
+
+    def _map(self) -> tuple[bytes, int]:
+        """Map the file (self._mmap) once its magic, trailer and header checksum are checked;
+        returns the header's bytes and where it starts."""
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < len(MAGIC) + TRAILER.size:
@@ -255,12 +294,11 @@ class PoolFile(MappedPages):
             if hashlib.sha256(header).digest() != digest:
                 raise PairedCacheError(f"{self.path}: header checksum mismatch")
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if hasattr(mmap, "MADV_RANDOM"):
-            # Updates copy scattered rows: a page fault reads its own page, not the
-            # device's readahead window around it (8 MiB on the development machines'
-            # disk), which under a memory limit evicts what is in use for rows nobody
-            # asked for.
-            self._mmap.madvise(mmap.MADV_RANDOM)
+        return header, header_start
+
+    def _read_meta(self, header: bytes) -> dict:
+        """The header's JSON, once its format version, codec (self.codec), dtype
+        (self.dtype) and layer list are checked."""
         try:
             meta = json.loads(header)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -290,34 +328,27 @@ class PoolFile(MappedPages):
         raw_layers = meta.get("layers")
         if not isinstance(raw_layers, list) or not raw_layers:
             raise PairedCacheError(f"{self.path}: header has no layers")
-        self.layers: list[PoolLayer] | list[CompressedLayer] = []
-        self._frames: list[FrameReader] = []
-        for raw in raw_layers:
-            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-                raise PairedCacheError(f"{self.path}: layer entry {raw!r:.80} has no name")
-            if not isinstance(raw.get("sha256"), str) or len(raw["sha256"]) != 64:
-                raise PairedCacheError(f"{self.path}: layer {raw['name']} has no sha256")
-            if self.codec is not None:
-                self._add_compressed(raw, header_start)
-                continue
-            n = _field(raw, "n_rows", 1, MAX_DIM)
-            g = _field(raw, "gate_cols", 0, MAX_DIM)
-            u = _field(raw, "up_cols", 1, MAX_DIM)
-            h = _field(raw, "hidden", 1, MAX_DIM)
-            stride = row_stride(g, u, h, self.dtype.itemsize)
-            if raw.get("row_bytes") != stride:
-                raise PairedCacheError(
-                    f"{self.path}: layer {raw['name']} row_bytes={raw.get('row_bytes')!r}, "
-                    f"the C core's stride is {stride}"
-                )
-            offset = _field(raw, "offset", len(MAGIC), header_start)
-            if offset % PAGE or offset + n * stride > header_start:
-                raise PairedCacheError(
-                    f"{self.path}: layer {raw['name']} at offset {offset} ({n} x {stride} bytes)"
-                    f" is not page-aligned or runs past the pools' end ({header_start})"
-                )
-            self.layers.append(PoolLayer(raw["name"], n, g, u, h, stride, offset, raw["sha256"]))
-        self._by_name = {layer.name: i for i, layer in enumerate(self.layers)}
+        return meta
+
+    def _add_layer(self, raw: dict, header_start: int) -> None:
+        """Check and add one format-1 layer."""
+        n = _field(raw, "n_rows", 1, MAX_DIM)
+        g = _field(raw, "gate_cols", 0, MAX_DIM)
+        u = _field(raw, "up_cols", 1, MAX_DIM)
+        h = _field(raw, "hidden", 1, MAX_DIM)
+        stride = row_stride(g, u, h, self.dtype.itemsize)
+        if raw.get("row_bytes") != stride:
+            raise PairedCacheError(
+                f"{self.path}: layer {raw['name']} row_bytes={raw.get('row_bytes')!r}, "
+                f"the C core's stride is {stride}"
+            )
+        offset = _field(raw, "offset", len(MAGIC), header_start)
+        if offset % PAGE or offset + n * stride > header_start:
+            raise PairedCacheError(
+                f"{self.path}: layer {raw['name']} at offset {offset} ({n} x {stride} bytes)"
+                f" is not page-aligned or runs past the pools' end ({header_start})"
+            )
+        self.layers.append(PoolLayer(raw["name"], n, g, u, h, stride, offset, raw["sha256"]))
 
     def _add_compressed(self, raw: dict, header_start: int) -> None:
         """Check and add one format-2 layer, its frame offsets read and checked."""
@@ -431,8 +462,14 @@ class PoolFile(MappedPages):
 
 
 def mapping_rss(path: str | os.PathLike) -> dict[str, int]:
-    """Resident bytes of this process's mappings of path, from /proc/self/smaps (Linux):
-    {"rss": ..., "anonymous": ...}; a read-only file mapping has anonymous == 0."""
+    """Resident bytes of this process's mappings of path, from /proc/self/smaps (Linux).
+
+    Args:
+        path: a mapped file (a pool file, a safetensors file).
+
+    Returns:
+        {"rss": ..., "anonymous": ...}; a read-only file mapping has anonymous == 0.
+    """
     target = str(Path(path).resolve())
     totals = {"rss": 0, "anonymous": 0}
     inside = False

@@ -165,20 +165,26 @@ def add_read_ahead(blocks: list[Block], extra=None, extra_wanted=None, roomy=Non
     gate, and the post-attention norm with the attention projections), and only ranges
     that do not look cached (``is_cached(sample=True)``) are asked for: asking for cached
     pages still walks them in the kernel (SmolLM2 under ample memory: 7 ms of a 47 ms
-    token for 0.10's ~480 asks per token). extra[i]: more (mapping, (begin, end)) ranges
-    block i reads, asked for with its tensors (a pool file's layer, in place) where
-    extra_wanted(i) says so at that moment (None: always; load_sparse passes its
-    PageKeeper's is_kept: a layer not kept reads its picked rows only). The hooks stay
-    with the model, which load_sparse built.
+    token for 0.10's ~480 asks per token). The hooks stay with the model, which
+    load_sparse built.
 
-    roomy() (load_sparse passes its PageKeeper's, None: never) says that this token no
-    memory limit applies, or one that leaves room for twice what the blocks read; then a
-    range found cached within the last RECHECK_TOKENS tokens is not looked at again
-    (SmolLM2 under ample memory: ~125 ranges a token, each three mincore calls, 1.3 ms of
-    a 38 ms token). Otherwise every range is looked at every token. With that much room
-    the model's pages are evicted only when something else fills it (or the whole
-    machine's memory is short); a range evicted then is faulted in, page by page, for up
-    to RECHECK_TOKENS tokens before it is asked for again."""
+    Args:
+        blocks: (module, its (mapping, tensor name) pairs) in the order a token runs them.
+        extra: extra[i], more (mapping, (begin, end)) ranges block i reads, asked for with
+            its tensors (a pool file's layer, in place); None: none.
+        extra_wanted: extra_wanted(i) says at that moment whether block i's extra ranges
+            are asked for (None: always; load_sparse passes its PageKeeper's is_kept: a
+            layer not kept reads its picked rows only).
+        roomy: roomy() says that this token no memory limit applies, or one that leaves
+            room for twice what the blocks read (load_sparse passes its PageKeeper's;
+            None: never); then a range found cached within the last RECHECK_TOKENS tokens
+            is not looked at again (SmolLM2 under ample memory: ~125 ranges a token, each
+            three mincore calls, 1.3 ms of a 38 ms token). Otherwise every range is looked
+            at every token. With that much room the model's pages are evicted only when
+            something else fills it (or the whole machine's memory is short); a range
+            evicted then is faulted in, page by page, for up to RECHECK_TOKENS tokens
+            before it is asked for again.
+    """
     extra = extra if extra is not None else [[] for _ in blocks]
     token = [0]  # tokens started: the first block's hook counts them
     seen_cached: dict[tuple[int, int, int], int] = {}  # (mapping, begin, end) -> token

@@ -96,6 +96,14 @@ class SafetensorsMap(MappedPages):
         self.will_need_range(begin, end)
 
     def tensor(self, name: str) -> torch.Tensor:
+        """A tensor as a read-only view of its mapped bytes (writing to it faults).
+
+        Args:
+            name: a key of ``entries``.
+
+        Returns:
+            The tensor, of its stored dtype and shape.
+        """
         dtype, shape, begin, end = self.entries[name]
         if begin % dtype.itemsize:
             raise PairedCacheError(f"{self.path}: {name} is not aligned to its element size")

@@ -89,8 +89,21 @@ class SparseFFN(CachedMLP):
         prefill: str = "sparse",
         **options,
     ) -> SparseFFN:
-        """Wrap fc1 (N, hidden) and fc2 (hidden, N) of a non-gated MLP; source must be one
-        of FFN_SOURCES, options its options (CATS: threshold)."""
+        """Wrap the two projections of a non-gated MLP.
+
+        Args:
+            fc1: the (N, hidden) up projection (a bias is kept, as fc2's).
+            fc2: the (hidden, N) down projection.
+            act: the MLP's activation.
+            source: one of FFN_SOURCES.
+            fraction: the share of the rows each token reads, in (0, 1].
+            config: the cache's PairedCacheConfig (None: its defaults).
+            prefill: how a forward of several tokens runs, see SparseMLP.prefill.
+            **options: the source's options (CATS: threshold).
+
+        Returns:
+            The SparseFFN.
+        """
         if source not in FFN_SOURCES:
             raise PairedCacheError(
                 f"mask source {source!r} needs a gated MLP; a non-gated one takes {FFN_SOURCES}"

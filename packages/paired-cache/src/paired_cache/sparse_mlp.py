@@ -25,7 +25,7 @@ from paired_cache.mlp_layouts import (
     linears,
     mlp_layout,
 )
-from paired_cache.pool_file import PoolFile
+from paired_cache.pool_file import PoolFile, PoolLayer
 from paired_cache.registry import make_source, source_class
 from paired_cache.sparse_base import (
     SAVE_REFUSED,
@@ -65,9 +65,22 @@ class SparseMLP(CachedMLP):
         prefill: str = "sparse",
         gate: torch.Tensor | None = None,
     ) -> None:
-        """gate: (N, up_cols) the gate weights, only for a cache whose pool holds none (a
-        pool file converted with gate=False); the mask source must then compute act(gate
-        x) itself, and a dense prefill multiplies by this gate."""
+        """A gated MLP over a PairedCache's rows, picked by a mask source.
+
+        Args:
+            cache: the PairedCache holding the MLP's pools.
+            act: the MLP's activation.
+            source: the mask source, over the cache's N rows.
+            window: tokens whose masks' union stays resident, in [1, 1024].
+            in_place: read each token's rows from the pool, keeping none (window 1).
+            prefill: how a forward of several tokens runs, see SparseMLP.prefill.
+            gate: (N, up_cols) the gate weights, only for a cache whose pool holds none (a
+                pool file converted with gate=False); the mask source must then compute
+                act(gate x) itself, and a dense prefill multiplies by this gate.
+
+        Raises:
+            PairedCacheError: a source, window or gate that does not fit the cache.
+        """
         super().__init__()
         check_prefill(prefill)
         if gate is not None and cache.gate_cols:
@@ -153,11 +166,26 @@ class SparseMLP(CachedMLP):
         prefill: str = "sparse",
         **options,
     ) -> SparseMLP:
-        """Wrap a gated MLP (gate_proj, up_proj, down_proj and act_fn, or Phi-3's fused
-        gate_up_proj, down_proj and activation_fn); source names a MASK_SOURCES entry,
-        calibration is (T, hidden) inputs of this MLP for the sources that fit to data;
-        window: tokens whose masks' union stays resident (1: only the current token's
-        rows); prefill: how a forward of several tokens runs, see SparseMLP.prefill."""
+        """Wrap a gated MLP, its weights copied into a PairedCache.
+
+        Args:
+            mlp: a gated MLP (gate_proj, up_proj, down_proj and act_fn, or Phi-3's fused
+                gate_up_proj, down_proj and activation_fn), bias-free.
+            source: a MASK_SOURCES name.
+            fraction: the share of the rows each token reads, in (0, 1].
+            calibration: (T, hidden) inputs of this MLP, for the sources that fit to data.
+            config: the cache's PairedCacheConfig (None: its defaults).
+            window: tokens whose masks' union stays resident (1: only the current
+                token's rows), in [1, 1024].
+            prefill: how a forward of several tokens runs, see SparseMLP.prefill.
+            **options: the mask source's options.
+
+        Returns:
+            The SparseMLP.
+
+        Raises:
+            PairedCacheError: an MLP it cannot take, or a bad argument.
+        """
         check_mlp(mlp)
         check_prefill(prefill)
         source_class(source)
@@ -199,81 +227,56 @@ class SparseMLP(CachedMLP):
         """A SparseMLP over one layer of a PoolFile: the pool stays in the read-only file
         mapping and only the active rows (window_capacity rows) are anonymous memory.
 
-        gate: (N, up_cols) of the pool's dtype, the gate weights the mask source scores
-        with instead of the pool's strided gate block, e.g. gate_proj.weight mapped from the
-        model's safetensors (load_sparse passes it). The gate block of a bundled pool shares
-        its pages with the up and down rows, so a source that computes act(gate x) for
-        every row would touch every page of the pool each token; a contiguous gate touches
-        only its own, and the pool is then read for the rows an update adds. Required when
-        the pool file holds no gate (converted with gate=False); the source must then
-        compute act(gate x) itself.
+        Args:
+            pool_file: an uncompressed PoolFile (a compressed one's layers are
+                compressed_mlp.CompressedSparseMLP's).
+            layer: the layer, by name or index.
+            act: the MLP's activation.
+            source: a MASK_SOURCES name.
+            fraction: the share of the rows each token reads, in (0, 1].
+            config: the cache's PairedCacheConfig (None: its defaults).
+            window: tokens whose masks' union stays resident, in [1, 1024].
+            calibration: (T, hidden) inputs of this MLP, for the sources that fit to data.
+            gate: (N, up_cols) of the pool's dtype, the gate the mask source scores with,
+                e.g. gate_proj.weight mapped from the safetensors (load_sparse passes it):
+                a bundled pool's gate block shares its pages with the up and down rows, a
+                contiguous gate touches only its own. Required when the pool holds no
+                gate (converted with gate=False); the source must then compute act(gate x).
+            rows: "copy" (the paired-replacement cache: the active rows are anonymous
+                copies, updated by the rows that change) or "in_place" (each token gathers
+                its rows from the mapping into temporaries freed after the layer, so only
+                the page cache holds them, which a hard limit can reclaim; window 1).
+            prefill: how a forward of several tokens runs, see SparseMLP.prefill.
+            **options: the mask source's options; a list or tuple gives one per layer.
 
-        rows: "copy" (the paired-replacement cache: the active rows are anonymous copies,
-        updated by the rows that change) or "in_place" (no active rows: each token gathers
-        its rows from the mapping into temporaries freed after the layer, so the only copy
-        that stays is the page cache's, which a hard memory limit can reclaim; window must
-        be 1). prefill: how a forward of several tokens runs, see SparseMLP.prefill."""
+        Returns:
+            The SparseMLP.
+
+        Raises:
+            PairedCacheError: a bad argument, a compressed pool, or a gate that is missing
+                or does not fit the layer.
+        """
         source_class(source)
         check_window(window)
         check_prefill(prefill)
-        if rows not in ROW_MODES:
-            raise PairedCacheError(f"rows must be one of {ROW_MODES}, got {rows!r}")
+        check_rows(rows)
+        index, spec = _uncompressed_layer(pool_file, layer)
+        _check_pool_gate(pool_file, spec, gate)
         in_place = rows == "in_place"
-        if not isinstance(pool_file, PoolFile):
-            raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
-        if pool_file.compressed:
-            raise PairedCacheError(
-                f"{pool_file.path} is a compressed pool: build its layers with "
-                f"paired_cache.compressed_mlp.CompressedSparseMLP.from_pool_file (load_sparse "
-                f"does)"
-            )
-        index = pool_file.resolve(layer)
-        spec = pool_file.layers[index]
-        gate_cols = spec.gate_cols or spec.up_cols  # a gate-less pool's gate is up-sized
-        if gate is None and spec.gate_cols == 0:
-            raise PairedCacheError(
-                f"{spec.name}: the pool file holds no gate (converted with gate=False); pass "
-                f"gate=, the ({spec.n_rows}, {spec.up_cols}) gate_proj weight (load_sparse maps "
-                f"it from the model's safetensors)"
-            )
-        if gate is not None and (
-            not isinstance(gate, torch.Tensor)
-            or gate.shape != (spec.n_rows, gate_cols)
-            or gate.dtype != pool_file.dtype
-        ):
-            got = (
-                f"{tuple(gate.shape)} {gate.dtype}"
-                if isinstance(gate, torch.Tensor)
-                else type(gate).__name__
-            )
-            raise PairedCacheError(
-                f"gate for {spec.name} must be a ({spec.n_rows}, {gate_cols}) "
-                f"{pool_file.dtype} tensor, got {got}"
-            )
         capacity = window_capacity(active_rows(fraction, spec.n_rows), spec.n_rows, window)
         if in_place:
             check_in_place_window(window)  # before the cache is made
             capacity = 1  # the active buffers stay empty
         options = _layer_options(options, index)
+        # A gate-less pool has no gate for the active rows to leave out.
+        gate_rows = spec.gate_cols == 0 or not source_class(source).gives_gate_for(**options)
         cache = PairedCache.from_pool_file(
-            pool_file,
-            index,
-            capacity=capacity,
-            config=config,
-            # A gate-less pool has no gate for the active rows to leave out.
-            gate_rows=spec.gate_cols == 0 or not source_class(source).gives_gate_for(**options),
+            pool_file, index, capacity=capacity, config=config, gate_rows=gate_rows
         )
         scored = cache.gate_pool if gate is None else gate
         src = make_source(source, scored, cache.up_pool, act, fraction, calibration, **options)
-        sparse = cls(
-            cache,
-            act,
-            src,
-            window,
-            in_place=in_place,
-            prefill=prefill,
-            gate=gate if spec.gate_cols == 0 else None,
-        )
+        pool_gate = gate if spec.gate_cols == 0 else None  # the gate the pool lacks
+        sparse = cls(cache, act, src, window, in_place=in_place, prefill=prefill, gate=pool_gate)
         if gate is not None:
             sparse.use_gate_proj(gate)
         sparse._will_read_pool = functools.partial(pool_file.will_need, index)
@@ -444,13 +447,67 @@ def check_in_place_window(window: int) -> None:
         )
 
 
+def check_rows(rows) -> None:
+    """Refuse rows that are not one of ROW_MODES."""
+    if rows not in ROW_MODES:
+        raise PairedCacheError(f"rows must be one of {ROW_MODES}, got {rows!r}")
+
+
+def _uncompressed_layer(pool_file: PoolFile, layer: int | str) -> tuple[int, PoolLayer]:
+    """(index, spec) of layer in pool_file, which must be an uncompressed PoolFile."""
+    if not isinstance(pool_file, PoolFile):
+        raise PairedCacheError(f"pool_file must be a PoolFile, got {type(pool_file).__name__}")
+    if pool_file.compressed:
+        raise PairedCacheError(
+            f"{pool_file.path} is a compressed pool: build its layers with "
+            f"paired_cache.compressed_mlp.CompressedSparseMLP.from_pool_file (load_sparse "
+            f"does)"
+        )
+    index = pool_file.resolve(layer)
+    return index, pool_file.layers[index]
+
+
+def _check_pool_gate(pool_file: PoolFile, spec: PoolLayer, gate) -> None:
+    """Refuse a missing gate for a gate-less pool, and a given gate that is not a tensor of
+    the layer's (N, gate_cols) and the pool's dtype."""
+    gate_cols = spec.gate_cols or spec.up_cols  # a gate-less pool's gate is up-sized
+    if gate is None and spec.gate_cols == 0:
+        raise PairedCacheError(
+            f"{spec.name}: the pool file holds no gate (converted with gate=False); pass "
+            f"gate=, the ({spec.n_rows}, {spec.up_cols}) gate_proj weight (load_sparse maps "
+            f"it from the model's safetensors)"
+        )
+    if gate is not None and (
+        not isinstance(gate, torch.Tensor)
+        or gate.shape != (spec.n_rows, gate_cols)
+        or gate.dtype != pool_file.dtype
+    ):
+        got = (
+            f"{tuple(gate.shape)} {gate.dtype}"
+            if isinstance(gate, torch.Tensor)
+            else type(gate).__name__
+        )
+        raise PairedCacheError(
+            f"gate for {spec.name} must be a ({spec.n_rows}, {gate_cols}) "
+            f"{pool_file.dtype} tensor, got {got}"
+        )
+
+
 def _layer_options(options: dict, index: int) -> dict:
     """Per-layer options: a value given as a list or tuple of one per layer is indexed."""
     return {k: (v[index] if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
 
 
 def collect_mlp_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Run model on input_ids (B, T) and return each gated MLP's inputs, (B*T, hidden)."""
+    """Each gated MLP's inputs when model runs on input_ids.
+
+    Args:
+        model: a dense model.
+        input_ids: (B, T) integer token ids.
+
+    Returns:
+        {mlp name: its inputs (B*T, hidden)}.
+    """
     inputs: dict[str, torch.Tensor] = {}
     hooks = []
     for name, module in model.named_modules():
@@ -477,7 +534,14 @@ def model_family(model: nn.Module) -> str:
 
 
 def find_mlps(model: nn.Module) -> list[tuple[str, MLPLayout]]:
-    """(name, layout) of every MLP of model that a layout describes, in module order."""
+    """The MLPs of model that a layout describes (gated or not).
+
+    Args:
+        model: any module.
+
+    Returns:
+        (name, layout) of each, in module order.
+    """
     return [
         (name, layout)
         for name, module in model.named_modules()
@@ -528,57 +592,36 @@ def sparsify_model(
     prefill: str = "sparse",
     **options,
 ) -> list[SparseMLP | SparseFFN]:
-    """Replace every MLP of model by a SparseMLP (gated: SwiGLU, GeGLU, Phi-3's fused
-    gate_up_proj) or a SparseFFN (non-gated fc1 / fc2: GPT-NeoX, Phi-2, OPT) in place and
-    return them in order. A non-gated MLP takes source "cats" only, and window 1.
+    """Replace every MLP of model in place by a SparseMLP (gated: SwiGLU, GeGLU, Phi-3's
+    fused gate_up_proj) or a SparseFFN (non-gated fc1 / fc2: GPT-NeoX, Phi-2, OPT).
 
-    calibration_ids: (1, T) or (T,) integer token ids, T >= MIN_CALIBRATION_TOKENS, whose
-    MLP inputs fit the "lowrank" and "fixed" sources. Every argument and every MLP is
-    checked before the first one is replaced; a refusal names the model's family.
+    Every argument and every MLP is checked before the first one is replaced; a refusal
+    names the model's family. The sparsified model cannot be saved with save_pretrained or
+    state_dict (they raise: the weights live in the caches) nor moved to another dtype or
+    device (raises); see SAVE_REFUSED for the package's own save path.
 
-    The sparsified model cannot be saved with save_pretrained or state_dict (they raise:
-    the weights live in the caches) nor moved to another dtype or device (raises); see
-    SAVE_REFUSED for the package's own save path.
+    Args:
+        model: a dense transformers model (or any module holding MLPs a layout describes).
+        source: a MASK_SOURCES name; a non-gated MLP takes "cats" only.
+        fraction: the share of each MLP's rows a token reads, in (0, 1].
+        calibration_ids: (1, T) or (T,) integer token ids, T >= MIN_CALIBRATION_TOKENS,
+            whose MLP inputs fit the "lowrank" and "fixed" sources (required by them).
+        config: the caches' PairedCacheConfig (None: its defaults).
+        window: tokens whose masks' union stays resident, in [1, 1024]; 1 for a
+            non-gated MLP.
+        prefill: how a forward of several tokens runs, see SparseMLP.prefill.
+        **options: the mask source's options; a list or tuple gives one value per MLP.
+
+    Returns:
+        The new modules, in the model's order.
+
+    Raises:
+        PairedCacheError: a bad argument, an already sparsified model, a model with no
+            MLP paired-cache knows, or an MLP the source or window cannot take.
     """
-    family = model_family(model)
-    sparse_already = [name for name, m in model.named_modules() if isinstance(m, CachedMLP)]
-    if sparse_already:
-        raise PairedCacheError(
-            f"{type(model).__name__} is already sparsified ({len(sparse_already)} "
-            f"{type(model.get_submodule(sparse_already[0])).__name__} modules, e.g. "
-            f"{sparse_already[0]}): sparsify a freshly loaded dense model to change the "
-            f"source or fraction"
-        )
-    found = find_mlps(model)
-    if not found:
-        raise PairedCacheError(
-            f"{family}: {type(model).__name__} has no MLP that paired-cache knows; it "
-            f"sparsifies gated MLPs (modules with {GATED_MLP_PARTS}, or Phi-3's gate_up_proj, "
-            f"down_proj and activation_fn) and non-gated ones (dense_h_to_4h, dense_4h_to_h "
-            f"and act, as GPT-NeoX; fc1, fc2 and activation_fn, as Phi-2 and OPT)"
-        )
-    needs_calibration = source_class(source).needs_calibration
-    check_window(window)
-    check_prefill(prefill)
-    for name, layout in found:
-        module = model.get_submodule(name)
-        if layout.gated:
-            check_mlp(module, name)
-            continue
-        check_ffn(module, layout, name, family, source)
-        if window != 1:
-            raise PairedCacheError(
-                f"{family}: window={window} keeps several tokens' rows resident, which only "
-                f"a gated MLP supports; {name} is {describe(layout)}: use window=1"
-            )
-    if calibration_ids is not None:
-        calibration_ids = _check_calibration_ids(calibration_ids)
-    elif needs_calibration:
-        raise PairedCacheError(
-            f"mask source {source!r} needs calibration_ids: (1, T) token ids, "
-            f"T >= {MIN_CALIBRATION_TOKENS}"
-        )
-    calibration = collect_mlp_inputs(model, calibration_ids) if calibration_ids is not None else {}
+    _check_not_sparsified(model)
+    found = _checked_mlps(model, source, window, prefill)
+    calibration = _calibration_inputs(model, source, calibration_ids)
     replaced: list[SparseMLP | SparseFFN] = []
     for name, layout in found:
         module = model.get_submodule(name)
@@ -597,20 +640,68 @@ def sparsify_model(
             _replace(model, name, sparse)
         else:
             fc1, fc2 = linears(module, layout)
+            act = activation(module, layout)
             sparse = SparseFFN.from_linears(
-                fc1,
-                fc2,
-                activation(module, layout),
-                source,
-                fraction,
-                config,
-                prefill,
-                **layer_options,
+                fc1, fc2, act, source, fraction, config, prefill, **layer_options
             )
             _put_ffn(model, name, layout, sparse)
         replaced.append(sparse)
     guard_sparse_model(model)
     return replaced
+
+
+def _check_not_sparsified(model: nn.Module) -> None:
+    sparse_already = [name for name, m in model.named_modules() if isinstance(m, CachedMLP)]
+    if sparse_already:
+        raise PairedCacheError(
+            f"{type(model).__name__} is already sparsified ({len(sparse_already)} "
+            f"{type(model.get_submodule(sparse_already[0])).__name__} modules, e.g. "
+            f"{sparse_already[0]}): sparsify a freshly loaded dense model to change the "
+            f"source or fraction"
+        )
+
+
+def _checked_mlps(
+    model: nn.Module, source: str, window: int, prefill: str
+) -> list[tuple[str, MLPLayout]]:
+    """find_mlps(model), once the source, window and prefill and every MLP are checked."""
+    family = model_family(model)
+    found = find_mlps(model)
+    if not found:
+        raise PairedCacheError(
+            f"{family}: {type(model).__name__} has no MLP that paired-cache knows; it "
+            f"sparsifies gated MLPs (modules with {GATED_MLP_PARTS}, or Phi-3's gate_up_proj, "
+            f"down_proj and activation_fn) and non-gated ones (dense_h_to_4h, dense_4h_to_h "
+            f"and act, as GPT-NeoX; fc1, fc2 and activation_fn, as Phi-2 and OPT)"
+        )
+    source_class(source)
+    check_window(window)
+    check_prefill(prefill)
+    for name, layout in found:
+        module = model.get_submodule(name)
+        if layout.gated:
+            check_mlp(module, name)
+            continue
+        check_ffn(module, layout, name, family, source)
+        if window != 1:
+            raise PairedCacheError(
+                f"{family}: window={window} keeps several tokens' rows resident, which only "
+                f"a gated MLP supports; {name} is {describe(layout)}: use window=1"
+            )
+    return found
+
+
+def _calibration_inputs(model: nn.Module, source: str, ids) -> dict[str, torch.Tensor]:
+    """Each gated MLP's inputs for the checked calibration ids ({} without ids), refused
+    when the source needs them and none are given."""
+    if ids is None:
+        if source_class(source).needs_calibration:
+            raise PairedCacheError(
+                f"mask source {source!r} needs calibration_ids: (1, T) token ids, "
+                f"T >= {MIN_CALIBRATION_TOKENS}"
+            )
+        return {}
+    return collect_mlp_inputs(model, _check_calibration_ids(ids))
 
 
 def _check_calibration_ids(ids) -> torch.Tensor:

@@ -296,11 +296,23 @@ def fit_predictors(
     window: int = WINDOW,
     batch: int = 4,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Fit a predictor for every gated MLP of a dense model from calibration_ids (1, T) or
-    (T,): the ids run through the model as sequences of `window` tokens, `batch` at a time
-    (a shorter last one on its own), and every MLP's sums are accumulated from its inputs
-    on the way, so memory does not grow with T. progress(name) is called per fitted MLP.
-    {mlp name: weights}."""
+    """Fit a predictor for every gated MLP of a dense model.
+
+    The ids run through the model as sequences of `window` tokens, `batch` at a time (a
+    shorter last one on its own), and every MLP's sums are accumulated from its inputs on
+    the way, so memory does not grow with T.
+
+    Args:
+        model: a dense transformers model.
+        calibration_ids: (1, T) or (T,) integer token ids.
+        config: the TrainConfig (None: its defaults).
+        progress: called with each MLP's name once it is fitted, or None.
+        window: tokens per sequence.
+        batch: sequences per forward.
+
+    Returns:
+        {mlp name: weights}, for save_predictors.
+    """
     config = TrainConfig() if config is None else config
     for name, value in (("window", window), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -349,9 +361,17 @@ def fit_predictors(
 
 
 def python_docs_ids(tokenizer, tokens: int = 16384) -> torch.Tensor:
-    """A calibration text every Python has: the first `tokens` token ids (1, tokens) of
-    Python's own documentation (the stdlib's pydoc_data.topics, English prose and code,
-    topics in name order; ~113,000 tokens for SmolLM2's tokenizer)."""
+    """A calibration text every Python has: Python's own documentation (the stdlib's
+    pydoc_data.topics, English prose and code, topics in name order; ~113,000 tokens for
+    SmolLM2's tokenizer).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        tokens: how many token ids to return.
+
+    Returns:
+        The first `tokens` token ids, (1, tokens).
+    """
     import pydoc_data.topics
 
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
@@ -364,7 +384,12 @@ def python_docs_ids(tokenizer, tokens: int = 16384) -> torch.Tensor:
 def save_predictors(
     path: str | os.PathLike, predictors: dict[str, dict[str, torch.Tensor]]
 ) -> None:
-    """Write predictors with safetensors (tensor "<mlp name>.<part>"), atomically."""
+    """Write predictors with safetensors (tensor "<mlp name>.<part>"), atomically.
+
+    Args:
+        path: the file to write.
+        predictors: {mlp name: weights}, as fit_predictors returns.
+    """
     import tempfile
 
     from safetensors.torch import save_file
@@ -390,9 +415,17 @@ def save_predictors(
 def load_predictors(
     path: str | os.PathLike, *, mapped: bool = False
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Read a file written by save_predictors: {mlp name: weights}. mapped=True: read-only
-    views of the file mapped, file-backed pages as the pool's are, no anonymous copy
-    (load_sparse reads them so); writing to them faults. mapped=False: tensors of their own."""
+    """Read a file written by save_predictors.
+
+    Args:
+        path: the file.
+        mapped: True: read-only views of the file mapped, file-backed pages as the pool's
+            are, no anonymous copy (load_sparse reads them so); writing to them faults.
+            False: tensors of their own.
+
+    Returns:
+        {mlp name: weights}.
+    """
     from safetensors import SafetensorError, safe_open
 
     out: dict[str, dict[str, torch.Tensor]] = {}
