@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from zstd_linear.codec import AUTO_LAYOUTS, DEFAULT_RAW_BELOW, CodecConfig, encode_weight
 from zstd_linear.decoder import Decoder
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 
 SPECIAL = {
@@ -233,26 +234,26 @@ def test_planes_beat_plain_zstd_on_trained_bf16_weights():
     ],
 )
 def test_bad_config_names_the_parameter(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ZstdLinearError, match=message):
         CodecConfig(**kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.int32])
 def test_unsupported_dtype_is_rejected(dtype):
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ZstdLinearError, match="dtype must be one of"):
         encode_weight(torch.zeros(4, 4, dtype=dtype))
 
 
 def test_non_2d_weight_is_rejected():
-    with pytest.raises(ValueError, match="2-D"):
+    with pytest.raises(ZstdLinearError, match="2-D"):
         encode_weight(torch.zeros(4, 4, 4))
 
 
 def test_decoder_rejects_bad_threads_and_wrong_buffers():
-    with pytest.raises(ValueError, match="threads"):
+    with pytest.raises(ZstdLinearError, match="threads"):
         Decoder(0)
     encoded = encode_weight(torch.zeros(4, 4))
-    with pytest.raises(ValueError, match="64 bytes"):
+    with pytest.raises(ZstdLinearError, match="64 bytes"):
         Decoder(1).decode_into(encoded, torch.empty(60, dtype=torch.uint8))
 
 
@@ -292,7 +293,7 @@ def test_decode_many_checks_every_buffer_first_and_finishes_before_raising(backe
     decoder = Decoder(2, backend=backend)
     bad = list(outs)
     bad[2] = torch.empty(10, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=f"out must be a uint8 tensor of {64 * 64 * 4} bytes"):
+    with pytest.raises(ZstdLinearError, match=f"out must be a uint8 tensor of {64 * 64 * 4} bytes"):
         decoder.decode_many(zip(encoded, bad, strict=True))
     assert all((out == 7).all() for out in outs)  # nothing decoded
     # a damaged frame in the second weight: the others are decoded, then the error raised
@@ -324,10 +325,12 @@ def test_decode_chunks_into_gives_the_bytes_of_a_range_of_chunks(threads, backen
         decoder.decode_chunks_into(encoded, span, out)
         assert np.array_equal(out.numpy(), whole[lo:hi])
     for bad in (range(0, 0), range(3, 9), range(-1, 2), range(0, 4, 2), [0, 1]):
-        with pytest.raises(ValueError, match="chunks must be a non-empty range"):
+        with pytest.raises(ZstdLinearError, match="chunks must be a non-empty range"):
             decoder.decode_chunks_into(encoded, bad, torch.empty(16384, dtype=torch.uint8))
     out = torch.full((16384,), 7, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="out must be a contiguous uint8 tensor of 32768 bytes"):
+    with pytest.raises(
+        ZstdLinearError, match="out must be a contiguous uint8 tensor of 32768 bytes"
+    ):
         decoder.decode_chunks_into(encoded, range(1, 3), out)
     assert (out == 7).all()  # nothing written
     decoder.close()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from zstd_linear._core import bitpack_size, core_info, ffi, join_planes, lib, unpack_bits
 from zstd_linear.codec import bitpack
+from zstd_linear.errors import ZstdLinearError
 from zstd_linear.layout import LAYOUTS, SUPPORTED_DTYPES
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -98,15 +99,15 @@ def test_c_join_every_rotation(width, int_dtype):
 def test_join_rejects_bad_input_before_writing():
     planes = [np.zeros(10, np.uint8), np.zeros(10, np.uint8)]
     out = np.full(20, 7, np.uint8)
-    with pytest.raises(ValueError, match="2 or 4 planes"):
+    with pytest.raises(ZstdLinearError, match="2 or 4 planes"):
         join_planes(planes[:1], out[:10], 0)
-    with pytest.raises(ValueError, match="plane 1 holds 9 bytes"):
+    with pytest.raises(ZstdLinearError, match="plane 1 holds 9 bytes"):
         join_planes([planes[0], planes[1][:9]], out, 0)
-    with pytest.raises(ValueError, match="uint8"):
+    with pytest.raises(ZstdLinearError, match="uint8"):
         join_planes(planes, out.view(np.uint16), 0)
-    with pytest.raises(ValueError, match="rotation"):
+    with pytest.raises(ZstdLinearError, match="rotation"):
         join_planes(planes, out, 16)
-    with pytest.raises(ValueError, match="rotation"):
+    with pytest.raises(ZstdLinearError, match="rotation"):
         join_planes(planes, out, -1)
     out.flags.writeable = False
     with pytest.raises((TypeError, ValueError)):
@@ -163,21 +164,21 @@ def test_unpack_rejects_bad_input_before_writing():
     packed = bitpack(plane)
     assert packed[0] == 0x80 and len(packed) == 2 + 88
     out = np.full(100, 7, np.uint8)
-    with pytest.raises(ValueError, match="do not match the plane's size"):
+    with pytest.raises(ZstdLinearError, match="do not match the plane's size"):
         unpack_bits(packed[:-1], out)
-    with pytest.raises(ValueError, match="do not match the plane's size"):
+    with pytest.raises(ZstdLinearError, match="do not match the plane's size"):
         unpack_bits(packed + b"\0", out)
-    with pytest.raises(ValueError, match="do not match the plane's size"):
+    with pytest.raises(ZstdLinearError, match="do not match the plane's size"):
         unpack_bits(packed, out[:99])
-    with pytest.raises(ValueError, match="do not match the plane's size"):
+    with pytest.raises(ZstdLinearError, match="do not match the plane's size"):
         unpack_bits(packed[:1], out)
-    with pytest.raises(ValueError, match="mask or constant bits"):
+    with pytest.raises(ZstdLinearError, match="mask or constant bits"):
         unpack_bits(b"\0\0" + packed[2:], out)  # mask 0: nothing constant
-    with pytest.raises(ValueError, match="mask or constant bits"):
+    with pytest.raises(ZstdLinearError, match="mask or constant bits"):
         unpack_bits(b"\xff\0", out)  # mask 0xFF: 0 bits a byte, unbounded expansion
-    with pytest.raises(ValueError, match="mask or constant bits"):
+    with pytest.raises(ZstdLinearError, match="mask or constant bits"):
         unpack_bits(b"\x80\x01" + packed[2:], out)  # a constant outside the mask
-    with pytest.raises(ValueError, match="uint8"):
+    with pytest.raises(ZstdLinearError, match="uint8"):
         unpack_bits(packed, out.view(np.uint16))
     assert (out == 7).all()
     out.flags.writeable = False

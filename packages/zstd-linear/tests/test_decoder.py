@@ -29,6 +29,7 @@ from zstd_linear.decoder import (
     _split_runs,
     _zstd_functions,
 )
+from zstd_linear.errors import ZstdLinearError
 
 
 def _bytes(w: torch.Tensor) -> np.ndarray:
@@ -39,11 +40,11 @@ def test_the_c_backend_is_the_default_and_a_bad_backend_is_named(monkeypatch):
     assert decoder_module.c_backend_available()
     assert Decoder(1).backend == "c"
     assert Decoder(1, backend="python").backend == "python"
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ZstdLinearError, match="backend must be one of"):
         Decoder(1, backend="rust")
     monkeypatch.setattr(decoder_module, "_zstd_cffi", None)  # a zstandard without cffi
     assert Decoder(1).backend == "python"
-    with pytest.raises(ValueError, match=r"zstandard\._cffi"):
+    with pytest.raises(ZstdLinearError, match=r"zstandard\._cffi"):
         Decoder(1, backend="c")
 
 

@@ -24,6 +24,7 @@ from zstd_linear.decoder import DecodeError, Decoder
 
 BAD_COMPRESS_ARGUMENTS = [
     ({"policy": "lru"}, "policy must be one of"),
+    ({"policy": ["none"]}, "policy must be one of"),
     ({"policy": "budget", "budget_bytes": -1}, "budget_bytes must be an int >= 0"),
     ({"policy": "budget"}, "exactly one of budget_bytes"),
     ({"policy": "none", "window": 2}, "bad options"),
@@ -102,7 +103,11 @@ def test_bad_arguments_to_a_compressed_model_leave_it_unchanged(tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"policy": "lru"}, "policy must be one of"), ({"threads": 0}, "threads")],
+    [
+        ({"policy": "lru"}, "policy must be one of"),
+        ({"policy": ["none"]}, "policy must be one of"),
+        ({"threads": 0}, "threads"),
+    ],
 )
 def test_load_compressed_checks_its_arguments_before_reading_the_file(tmp_path, kwargs, message):
     source = make_toy()

@@ -117,10 +117,10 @@ def test_file_for_other_shapes_or_modules_is_rejected_and_model_unchanged(saved)
     assert type(other.blocks[0].q_proj) is torch.nn.Linear
     fewer = make_toy()
     fewer.blocks = fewer.blocks[:1]
-    with pytest.raises(ValueError, match=r"layer 'blocks\.1\.q_proj' .* found nothing"):
+    with pytest.raises(CompressedFileError, match=r"layer 'blocks\.1\.q_proj' .* found nothing"):
         load_compressed(saved, fewer)
     halfs = make_toy(dtype=torch.float16)
-    with pytest.raises(ValueError, match="dtype float32"):
+    with pytest.raises(CompressedFileError, match="dtype float32"):
         load_compressed(saved, halfs)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zstd_linear import CompressedLinear
+from zstd_linear import CompressedLinear, ZstdLinearError
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -23,18 +23,18 @@ def test_forward_equals_linear_bit_for_bit(dtype, bias):
 
 
 def test_non_linear_target_is_rejected():
-    with pytest.raises(ValueError, match=r"must be an nn\.Linear, got Embedding"):
+    with pytest.raises(ZstdLinearError, match=r"must be an nn\.Linear, got Embedding"):
         CompressedLinear.from_linear(nn.Embedding(10, 4), name="embed")
 
 
 def test_unsupported_dtype_is_rejected():
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ZstdLinearError, match="dtype must be one of"):
         CompressedLinear.from_linear(nn.Linear(4, 4, dtype=torch.float64))
 
 
 def test_bias_of_wrong_shape_is_rejected():
     layer = CompressedLinear.from_linear(nn.Linear(4, 3))
-    with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
+    with pytest.raises(ZstdLinearError, match=r"bias must have shape \(3,\)"):
         CompressedLinear(layer.encoded, torch.zeros(4), name="x")
 
 

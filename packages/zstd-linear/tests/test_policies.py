@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from zstd_linear import (
     POLICIES,
+    ZstdLinearError,
     compress_model,
     compression_stats,
     decompress_model,
@@ -157,20 +158,20 @@ def test_bad_arguments_leave_the_model_unchanged():
         ({"level": 99}, "level"),
         ({"threads": 0}, "threads"),
     ]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ZstdLinearError, match=message):
             compress_model(model, **kwargs)
         assert [type(m) for m in model.modules()] == before
         assert "zstd_linear_runtime" not in model.__dict__
-    with pytest.raises(ValueError, match="not compressed"):
+    with pytest.raises(ZstdLinearError, match="not compressed"):
         set_policy(model, "none")
 
 
 def test_double_compression_and_bad_policy_switch_are_rejected():
     model = make_toy()
     compress_model(model, policy="none")
-    with pytest.raises(ValueError, match="already compressed"):
+    with pytest.raises(ZstdLinearError, match="already compressed"):
         compress_model(model)
-    with pytest.raises(ValueError, match="budget_bytes"):
+    with pytest.raises(ZstdLinearError, match="budget_bytes"):
         set_policy(model, "budget", budget_bytes=-1)
     assert model.zstd_linear_runtime.policy.name == "none"  # unchanged
     reset_stats(model)
@@ -425,7 +426,7 @@ def test_memory_limit_auto_is_the_process_limit(monkeypatch):
     monkeypatch.setattr(sysmem, "cgroup_memory_limit", lambda: None)
     _, _, policy = budget_model(memory_limit="auto")
     assert policy.memory_limit == sysmem.physical_memory() > 0
-    with pytest.raises(ValueError, match='memory_limit must be an int >= 0 or "auto"'):
+    with pytest.raises(ZstdLinearError, match='memory_limit must be an int >= 0 or "auto"'):
         budget_model(memory_limit="max")
 
 

@@ -1,9 +1,11 @@
 """Dependencies point one way: layer -> its runtime's interface, runtime -> policy,
 policy -> BackingStore; a layer built alone sets nothing on itself; the top-level API is
-small and the building blocks are where the README says."""
+small and the building blocks are where the README says; bad arguments raise the
+package's own error type."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -108,3 +110,18 @@ def test_the_building_blocks_are_importable_where_the_readme_says():
         for name in re.findall(r"`(\w+)`", names):
             assert hasattr(imported, name), f"{module}.{name}, listed in the README"
             assert name not in zstd_linear.__all__, f"{name} is top level, not a building block"
+
+
+def test_no_bare_value_or_type_error_is_raised():
+    # Bad arguments raise ZstdLinearError (a ValueError), so that callers can tell
+    # zstd-linear's refusals from any other ValueError.
+    bare = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name) and exc.id in ("ValueError", "TypeError"):
+                bare.append(f"{path.relative_to(PACKAGE)}:{node.lineno} raise {exc.id}")
+    assert len(list(PACKAGE.rglob("*.py"))) > 20  # the scan sees the package's modules
+    assert not bare, f"raise ZstdLinearError (zstd_linear.errors) instead: {bare}"

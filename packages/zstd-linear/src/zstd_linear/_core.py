@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from zstd_linear.errors import ZstdLinearError
+
 try:
     from _zstd_linear_core import ffi, lib
 except ImportError as exc:  # pragma: no cover - only a broken installation gets here
@@ -37,22 +39,22 @@ def join_planes(planes: list, out: np.ndarray, rotation: int) -> None:
     """
     width = len(planes)
     if width not in (2, 4):
-        raise ValueError(f"planes must hold 2 or 4 planes, got {width}")
+        raise ZstdLinearError(f"planes must hold 2 or 4 planes, got {width}")
     n = out.size // width
     if out.dtype != np.uint8 or out.ndim != 1 or n * width != out.size:
-        raise ValueError(
+        raise ZstdLinearError(
             f"out must be a 1-D uint8 array of E * {width} bytes, got {out.shape} {out.dtype}"
         )
     pointers = [ffi.from_buffer("uint8_t[]", plane) for plane in planes]
     for p, pointer in enumerate(pointers):
         if len(pointer) != n:
-            raise ValueError(f"plane {p} holds {len(pointer)} bytes, expected {n}")
+            raise ZstdLinearError(f"plane {p} holds {len(pointer)} bytes, expected {n}")
     if width == 2:
         pointers += [ffi.NULL, ffi.NULL]
     target = ffi.from_buffer("uint8_t[]", out, require_writable=True)
     status = lib.zl_join(width, rotation, n, *pointers, target)
     if status != lib.ZL_OK:
-        raise ValueError(f"zl_join: {_ERRORS.get(status, status)}")
+        raise ZstdLinearError(f"zl_join: {_ERRORS.get(status, status)}")
 
 
 def bitpack_size(n: int, mask: int) -> int:
@@ -61,25 +63,25 @@ def bitpack_size(n: int, mask: int) -> int:
 
 
 def check_bitpack(src, n: int) -> None:
-    """ValueError unless ``src`` (bytes-like) is a valid bit-packing of ``n`` bytes: the
-    same check ``unpack_bits`` makes before it writes anything."""
+    """ZstdLinearError unless ``src`` (bytes-like) is a valid bit-packing of ``n`` bytes:
+    the same check ``unpack_bits`` makes before it writes anything."""
     source = ffi.from_buffer("uint8_t[]", src)
     status = lib.zl_unpack_bits(n, source, len(source), ffi.NULL)  # NULL out: check only
     if status != lib.ZL_OK:
-        raise ValueError(f"zl_unpack_bits: {_ERRORS.get(status, status)}")
+        raise ZstdLinearError(f"zl_unpack_bits: {_ERRORS.get(status, status)}")
 
 
 def unpack_bits(src, out: np.ndarray) -> None:
     """Unpack the bit-packed plane ``src`` (bytes-like: mask, value, codes) into ``out``
-    ((n,) uint8, writable, contiguous) in C, with the GIL released. ValueError, with
-    nothing written, when ``src`` is not a valid packing of ``out.size`` bytes."""
+    ((n,) uint8, writable, contiguous) in C, with the GIL released. ZstdLinearError,
+    with nothing written, when ``src`` is not a valid packing of ``out.size`` bytes."""
     if out.dtype != np.uint8 or out.ndim != 1:
-        raise ValueError(f"out must be a 1-D uint8 array, got {out.shape} {out.dtype}")
+        raise ZstdLinearError(f"out must be a 1-D uint8 array, got {out.shape} {out.dtype}")
     source = ffi.from_buffer("uint8_t[]", src)
     target = ffi.from_buffer("uint8_t[]", out, require_writable=True)
     status = lib.zl_unpack_bits(out.size, source, len(source), target)
     if status != lib.ZL_OK:
-        raise ValueError(f"zl_unpack_bits: {_ERRORS.get(status, status)}")
+        raise ZstdLinearError(f"zl_unpack_bits: {_ERRORS.get(status, status)}")
 
 
 def core_info() -> str:

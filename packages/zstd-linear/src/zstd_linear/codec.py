@@ -48,15 +48,20 @@ DEFAULT_RAW_BELOW = 0.05
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """How weights are encoded.
+    """How weights are encoded; checked when made.
 
-    level: zstd level, 1..22 (default 3).
-    layout: "auto" (default: AUTO_LAYOUTS picks per dtype) or a LAYOUTS name
-        ("exponent", "exponent-mantissa", or "zstd" = plain zstd).
-    chunk_bytes: uncompressed bytes per independently decodable chunk (>= 4 KiB).
-    raw_below: zstd is kept only where it saves at least this fraction of the plane
-        over the frame's fast form (bit-packed where some bits are constant, else
-        raw), which decodes at memory speed; in [0, 1); 0 keeps zstd whenever smaller.
+    Args:
+        level: zstd level, 1..22 (default 3).
+        layout: "auto" (default: AUTO_LAYOUTS picks per dtype) or a LAYOUTS name
+            ("exponent", "exponent-mantissa", or "zstd" = plain zstd).
+        chunk_bytes: uncompressed bytes per independently decodable chunk (>= 4 KiB).
+        raw_below: zstd is kept only where it saves at least this fraction of the plane
+            over the frame's fast form (bit-packed where some bits are constant, else
+            raw), which decodes at memory speed; in [0, 1); 0 keeps zstd whenever
+            smaller.
+
+    Raises:
+        ZstdLinearError: a value out of its range, named with the range.
     """
 
     level: int = DEFAULT_LEVEL
@@ -83,10 +88,18 @@ class CodecConfig:
             raise ZstdLinearError(f"raw_below must be a number in [0, 1), got {self.raw_below!r}")
 
     def layout_for(self, dtype: str) -> str:
-        """The LAYOUTS name a weight of ``dtype`` (a SUPPORTED_DTYPES name) is encoded with."""
+        """The layout a weight of ``dtype`` is encoded with.
+
+        Args:
+            dtype: a ``SUPPORTED_DTYPES`` name (``"bfloat16"``).
+
+        Returns:
+            A ``LAYOUTS`` name: ``layout`` itself, or the dtype's under ``"auto"``.
+        """
         return AUTO_LAYOUTS[dtype] if self.layout == "auto" else self.layout
 
     def compression_params(self, layout: str) -> zstandard.ZstdCompressionParameters:
+        """The zstd parameters for a plane of ``layout`` (a ``LAYOUTS`` name) at ``level``."""
         if not LAYOUTS[layout].planes:
             return zstandard.ZstdCompressionParameters.from_level(self.level)
         # A plane of exponents is close to i.i.d. symbols: the low levels' greedy
@@ -111,10 +124,14 @@ class Frame:
     """One plane of one chunk: zstd-compressed bytes, the plane's raw bytes, or the
     plane bit-packed (``kind`` "zstd", "raw" or "bitpack"; see the module docstring).
 
-    data: ``bytes`` (anonymous memory) after encode_weight; a read-only memoryview of
-    the file's mapping (file-backed pages) after read_file / load_compressed.
-    kind: a FRAME_KINDS name; ``True`` / ``False`` (0.6's ``raw`` flag) mean "raw" /
-    "zstd".
+    Args:
+        data: ``bytes`` (anonymous memory) after encode_weight; a read-only memoryview
+            of the file's mapping (file-backed pages) after read_file / load_compressed.
+        kind: a FRAME_KINDS name; ``True`` / ``False`` (0.6's ``raw`` flag) mean "raw" /
+            "zstd".
+
+    Raises:
+        ZstdLinearError: ``kind`` is not a FRAME_KINDS name.
     """
 
     data: bytes | memoryview
@@ -139,10 +156,19 @@ class Frame:
 class EncodedWeight:
     """A losslessly encoded (out_features, in_features) weight.
 
-    frames[c][p] is plane p of chunk c; chunk c covers elements
-    [c * chunk_elems, min((c + 1) * chunk_elems, numel)) in row-major order.
-    crc32: zlib.crc32 of the weight's bytes (row-major, little-endian) as encoded, which
-    a decode must reproduce; None where unknown (then save_compressed decodes once).
+    Made by ``encode_weight`` and ``read_file``.
+
+    Args:
+        dtype: a SUPPORTED_DTYPES name.
+        shape: (out_features, in_features).
+        layout: the LAYOUTS name its planes were split with.
+        level: the zstd level it was encoded at.
+        chunk_elems: elements per chunk; chunk c covers elements
+            [c * chunk_elems, min((c + 1) * chunk_elems, numel)) in row-major order.
+        frames: ``frames[c][p]`` is plane p of chunk c.
+        crc32: zlib.crc32 of the weight's bytes (row-major, little-endian) as encoded,
+            which a decode must reproduce; None where unknown (then save_compressed
+            decodes once).
     """
 
     dtype: str
@@ -182,25 +208,54 @@ class EncodedWeight:
         return SUPPORTED_DTYPES[self.dtype][0]
 
     def chunk_range(self, c: int) -> tuple[int, int]:
+        """The elements [start, stop) of chunk ``c``, in the flattened weight.
+
+        Args:
+            c: a chunk index, 0..len(frames) - 1.
+
+        Returns:
+            (start, stop), element offsets.
+        """
         start = c * self.chunk_elems
         return start, min(start + self.chunk_elems, self.numel)
 
     def expected_chunks(self) -> int:
+        """How many chunks ``numel`` elements take at ``chunk_elems`` a chunk (at least 1)."""
         return max(1, -(-self.numel // self.chunk_elems))
 
     def chunk_groups(self, max_bytes: int) -> list[range]:
-        """The chunks in consecutive groups of at most ``max_bytes`` decoded bytes (at
-        least one chunk each), to decode a weight a group at a time."""
+        """The chunks in consecutive groups, to decode a weight a group at a time.
+
+        Args:
+            max_bytes: the most decoded bytes a group holds (at least one chunk each).
+
+        Returns:
+            Consecutive ranges of chunk indices covering every chunk.
+        """
         group = max(1, max_bytes // (self.chunk_elems * self.itemsize))
         n = len(self.frames)
         return [range(c, min(c + group, n)) for c in range(0, n, group)]
 
     def span_range(self, chunks: range) -> tuple[int, int]:
-        """The elements [start, stop) of the consecutive chunks ``chunks``."""
+        """The elements of consecutive chunks.
+
+        Args:
+            chunks: a non-empty range of chunk indices, step 1.
+
+        Returns:
+            (start, stop), element offsets in the flattened weight.
+        """
         return self.chunk_range(chunks.start)[0], self.chunk_range(chunks.stop - 1)[1]
 
     def span_bytes(self, chunks: range) -> int:
-        """Decoded bytes of the consecutive chunks ``chunks``."""
+        """The decoded size of consecutive chunks.
+
+        Args:
+            chunks: a non-empty range of chunk indices, step 1.
+
+        Returns:
+            Their decoded bytes.
+        """
         start, stop = self.span_range(chunks)
         return (stop - start) * self.itemsize
 
@@ -270,9 +325,20 @@ def _encode_chunk(
 def encode_weight(
     weight: torch.Tensor, config: CodecConfig | None = None, executor: Executor | None = None
 ) -> EncodedWeight:
-    """Encode ``weight`` ((out, in) float32/bfloat16/float16, any device) losslessly.
+    """Encode a weight losslessly into zstd, raw or bit-packed frames.
 
-    With an ``executor``, chunks are compressed in parallel (zstd releases the GIL).
+    Args:
+        weight: (out_features, in_features) float32, bfloat16 or float16, any device.
+        config: the level, layout, chunk size and raw threshold (default
+            ``CodecConfig()``).
+        executor: compresses the chunks in parallel (zstd releases the GIL); None: in
+            the calling thread.
+
+    Returns:
+        EncodedWeight: the frames, chunk-major and plane-minor, with the weight's CRC-32.
+
+    Raises:
+        ZstdLinearError: ``weight`` is not a 2-D tensor of a supported dtype.
     """
     config = config or CodecConfig()
     if not isinstance(weight, torch.Tensor):

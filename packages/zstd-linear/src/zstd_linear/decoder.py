@@ -213,18 +213,24 @@ def _read_frame(decompressor: zstandard.ZstdDecompressor, data: bytes, out: np.n
 def _unpack_frame(data, out: np.ndarray) -> None:
     try:
         unpack_bits(data, out)
-    except ValueError as exc:
+    except ZstdLinearError as exc:
         raise DecodeError(
             f"a bit-packed frame does not decode to {out.size} bytes: {exc}"
         ) from None
 
 
 class Decoder:
-    """Decodes EncodedWeights with ``threads`` worker threads (1 = in the calling thread).
+    """Decodes EncodedWeights on a pool of threads.
 
-    backend: "auto" (default: "c" where python-zstandard has its cffi module, else
-    "python"), "c" (ZstdLinearError where it is missing) or "python"; see the module
-    docstring. ``self.backend`` says which one decodes.
+    Args:
+        threads: decode threads, >= 1 (1: in the calling thread; default min(2, cores)).
+        backend: ``"auto"`` (default: ``"c"`` where python-zstandard has its cffi
+            module, else ``"python"``), ``"c"`` or ``"python"``; see the module
+            docstring. ``self.backend`` says which one decodes.
+
+    Raises:
+        ZstdLinearError: a bad ``threads`` or ``backend``, or ``"c"`` where the cffi
+            module is missing.
     """
 
     def __init__(self, threads: int | None = None, backend: str = "auto"):
@@ -250,7 +256,17 @@ class Decoder:
         )
 
     def decode_into(self, encoded: EncodedWeight, out: torch.Tensor) -> None:
-        """Decode ``encoded`` into ``out``: (original_bytes,) uint8 contiguous CPU tensor."""
+        """Decode a weight into a buffer.
+
+        Args:
+            encoded: the weight.
+            out: (original_bytes,) uint8, contiguous, on the CPU; ``view_weight`` reads
+                it as the weight.
+
+        Raises:
+            ZstdLinearError: ``out`` is not such a tensor; nothing is decoded.
+            DecodeError: a frame does not decode.
+        """
         self.decode_many([(encoded, out)])
 
     def decode_many(self, pairs: Iterable[tuple[EncodedWeight, torch.Tensor]]) -> None:
@@ -260,6 +276,13 @@ class Decoder:
         chunk (up to 256 KiB by default) decode in parallel too, which one ``decode_into``
         at a time cannot do. Every ``out`` is checked before anything is decoded; on an
         error the other chunks are decoded, then the first error is raised.
+
+        Args:
+            pairs: (EncodedWeight, out) pairs, each ``out`` as for ``decode_into``.
+
+        Raises:
+            ZstdLinearError: an ``out`` of the wrong dtype, size or layout.
+            DecodeError: a frame does not decode.
         """
         pairs = list(pairs)
         segments = []
@@ -282,10 +305,18 @@ class Decoder:
         self._run(segments)
 
     def decode_chunks_into(self, encoded: EncodedWeight, chunks: range, out: torch.Tensor) -> None:
-        """Decode the consecutive chunks ``chunks`` (a range with step 1) of ``encoded``
-        into ``out``: a uint8 CPU tensor of exactly their bytes (elements
-        ``chunk_range(chunks[0])[0]`` up to ``chunk_range(chunks[-1])[1]``, row-major),
-        the chunks shared among the threads."""
+        """Decode consecutive chunks of a weight, shared among the threads.
+
+        Args:
+            encoded: the weight.
+            chunks: a non-empty range(a, b) of chunk indices, step 1.
+            out: uint8, contiguous, on the CPU, exactly the chunks' bytes (elements
+                ``encoded.span_range(chunks)``, row-major).
+
+        Raises:
+            ZstdLinearError: a bad ``chunks`` or ``out``; nothing is decoded.
+            DecodeError: a frame does not decode.
+        """
         n = len(encoded.frames)
         if not (
             isinstance(chunks, range) and chunks.step == 1 and 0 <= chunks.start < chunks.stop <= n
@@ -304,8 +335,18 @@ class Decoder:
         self._run([(encoded, chunks, out.numpy(), first * width)])
 
     def decode_chunk_into(self, encoded: EncodedWeight, c: int, out: torch.Tensor) -> None:
-        """Decode chunk ``c`` alone into ``out``: a uint8 CPU tensor of exactly the chunk's
-        bytes (elements ``encoded.chunk_range(c)``, row-major), in the calling thread."""
+        """Decode one chunk of a weight, in the calling thread.
+
+        Args:
+            encoded: the weight.
+            c: the chunk index, 0..len(encoded.frames) - 1.
+            out: uint8, contiguous, on the CPU, exactly the chunk's bytes (elements
+                ``encoded.chunk_range(c)``, row-major).
+
+        Raises:
+            ZstdLinearError: a bad ``c`` or ``out``; nothing is decoded.
+            DecodeError: a frame does not decode.
+        """
         if not 0 <= c < len(encoded.frames):
             raise ZstdLinearError(f"chunk must be in 0..{len(encoded.frames) - 1}, got {c}")
         start, stop = encoded.chunk_range(c)
@@ -317,7 +358,17 @@ class Decoder:
         self._decode_segment(encoded, range(c, c + 1), out.numpy(), start * encoded.itemsize)
 
     def decode(self, encoded: EncodedWeight) -> torch.Tensor:
-        """A freshly allocated decoded weight, shape ``encoded.shape``, its dtype."""
+        """Decode a weight into a new tensor.
+
+        Args:
+            encoded: the weight.
+
+        Returns:
+            The weight, shape ``encoded.shape``, its dtype, freshly allocated.
+
+        Raises:
+            DecodeError: a frame does not decode.
+        """
         out = torch.empty(encoded.original_bytes, dtype=torch.uint8)
         self.decode_into(encoded, out)
         return view_weight(out, encoded)
@@ -456,6 +507,7 @@ class Decoder:
         join_planes(planes, dst, layout.rotation[encoded.dtype])
 
     def close(self) -> None:
+        """Shut the thread pool down, waiting for running decodes."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -44,7 +44,13 @@ class CompressedEmbedding(CompressedModule):
         self._chunk: torch.Tensor | None = None  # (chunk bytes,) uint8, reused
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: (...) int64 -> (..., embedding_dim), the table's dtype.
+        """The rows of ``input_ids``, decoded through the runtime's policy.
+
+        Args:
+            input_ids: (...) int64.
+
+        Returns:
+            (..., embedding_dim), the table's dtype, bit-identical to nn.Embedding's.
 
         Raises:
             IndexError: an id outside 0..num_embeddings - 1.

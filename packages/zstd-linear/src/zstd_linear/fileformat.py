@@ -51,7 +51,7 @@ import zstandard
 from zstd_linear._core import check_bitpack
 from zstd_linear.codec import FRAME_KINDS, EncodedWeight, Frame
 from zstd_linear.decoder import DecodeError, Decoder
-from zstd_linear.errors import CompressedFileError
+from zstd_linear.errors import CompressedFileError, ZstdLinearError
 from zstd_linear.fileheader import LayerSpec, fail, parse_header, record_crc32
 from zstd_linear.layout import SUPPORTED_DTYPES
 
@@ -77,7 +77,16 @@ def umask_mode() -> int:
 
 
 def write_file(path: str | os.PathLike, entries: list[Entry]) -> None:
-    """Write ``entries`` (name, encoded weight, bias (out,) or None) atomically."""
+    """Write a .zlin file atomically (to a temporary name, then renamed).
+
+    Args:
+        path: the file to write; replaced if it exists.
+        entries: (name, EncodedWeight, bias (out_features,) or None) per layer.
+
+    Raises:
+        OSError: the file cannot be written; no file is left at ``path``'s temporary
+            name.
+    """
     path = Path(path)
     blobs: list[bytes] = []
     offset = 0
@@ -150,7 +159,7 @@ def _weight_crc32(encoded: EncodedWeight) -> int:
 
 
 def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[Entry]:
-    """Read and fully verify a .zlin file; returns [(name, encoded, bias or None)].
+    """Read and fully verify a .zlin file.
 
     The file is memory-mapped read-only and every frame's ``data`` is a memoryview of
     the mapping: compressed bytes stay file-backed pages, which the kernel can drop
@@ -158,6 +167,19 @@ def read_file(path: str | os.PathLike, *, threads: int | None = None) -> list[En
     decoded once (with ``threads`` threads, into one reused buffer the size of the
     largest layer) and checked against its recorded checksum. Biases are copied
     (out_features values each).
+
+    Args:
+        path: a file written by ``write_file`` or ``save_compressed``.
+        threads: decode threads (default min(2, cores)).
+
+    Returns:
+        list of (name, EncodedWeight, bias (out_features,) or None), in file order.
+
+    Raises:
+        CompressedFileError: the file is truncated, corrupted, of another version or
+            malformed (a DecodeError when a weight does not decode).
+        ZstdLinearError: a bad ``threads``.
+        OSError: ``path`` cannot be read (FileNotFoundError: it does not exist).
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -233,7 +255,7 @@ def _entry(path, layer: LayerSpec, data: memoryview) -> Entry:
         if spec.kind == "bitpack":
             try:
                 check_bitpack(blob, spec.size)
-            except ValueError as exc:
+            except ZstdLinearError as exc:
                 raise fail(
                     path,
                     name,

@@ -88,14 +88,14 @@ def _is_int(value, lo: int, hi: int) -> bool:
 
 
 def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+    raise CompressedFileError(f"{name} is not valid JSON")
 
 
 def _no_duplicates(pairs: list) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         keys = [k for k, _ in pairs]
-        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+        raise CompressedFileError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
     return obj
 
 
@@ -107,6 +107,8 @@ def parse_header(
         header = json.loads(
             raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates
         )
+    except CompressedFileError as exc:  # from the two hooks: a duplicate key, a NaN
+        raise fail(path, None, f"malformed header: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise fail(path, None, f"malformed header: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict) or set(header) != {"format", "layers"}:

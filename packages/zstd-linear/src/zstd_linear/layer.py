@@ -94,7 +94,13 @@ class CompressedLinear(CompressedModule):
         return cls(encode_weight(linear.weight, config, executor), linear.bias, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., in_features), the weight's dtype -> (..., out_features).
+        """The layer's output, with the weight decoded through the runtime's policy.
+
+        Args:
+            x: (..., in_features), the weight's dtype.
+
+        Returns:
+            (..., out_features), bit-identical to the plain nn.Linear's output.
 
         Raises:
             RuntimeError: ``x`` requires grad with grad enabled (inference only).

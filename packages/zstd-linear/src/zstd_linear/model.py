@@ -21,7 +21,7 @@ from zstd_linear.errors import ZstdLinearError
 from zstd_linear.guards import guard, unguard
 from zstd_linear.layer import CompressedLinear
 from zstd_linear.layout import SUPPORTED_DTYPES, dtype_name
-from zstd_linear.policies import POLICIES
+from zstd_linear.policies import check_policy
 from zstd_linear.progress import ProgressBar
 from zstd_linear.report import CompressionReport, LayerReport
 from zstd_linear.runtime import ModelRuntime
@@ -94,6 +94,14 @@ def select_linears(
     return chosen, skipped
 
 
+def check_uncompressed(model) -> None:
+    """ZstdLinearError unless ``model`` is an nn.Module that is not compressed yet."""
+    if not isinstance(model, nn.Module):
+        raise ZstdLinearError(f"model must be an nn.Module, got {type(model).__name__}")
+    if RUNTIME_ATTR in model.__dict__:
+        raise ZstdLinearError("model is already compressed: call decompress_model first")
+
+
 def runtime_of(model: nn.Module) -> ModelRuntime:
     """The runtime attached to ``model``; ZstdLinearError if it is not compressed."""
     runtime = model.__dict__.get(RUNTIME_ATTR)
@@ -123,6 +131,24 @@ def own_forward(module: nn.Module) -> str | None:
     if type(module).forward is nn.Embedding.forward:
         return None
     return f"{type(module).__name__} has its own forward, not nn.Embedding's lookup"
+
+
+def select_embeddings(model: nn.Module, skipped: dict[str, str]) -> list[str]:
+    """Fully qualified names of the nn.Embedding tables to compress, each checked; an
+    embedding with its own forward is added to ``skipped`` (name -> reason) instead."""
+    tables = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            reason = own_forward(module)
+            if reason is None:
+                tables.append(name)
+            else:
+                # Left plain, with the Linear tied to it (skipped above): compressing the
+                # table alone would drop what its forward does (a scale: other logits).
+                skipped[name] = reason
+    for name in tables:
+        check_embedding(name, model.get_submodule(name))
+    return tables
 
 
 def check_embedding(name: str, module: nn.Module) -> None:
@@ -237,49 +263,43 @@ def compress_model(
             matches no Linear, an unsupported dtype or device, nothing to compress) or
             a model that is already compressed; ``model`` is unchanged.
     """
-    if not isinstance(model, nn.Module):
-        raise ZstdLinearError(f"model must be an nn.Module, got {type(model).__name__}")
-    if RUNTIME_ATTR in model.__dict__:
-        raise ZstdLinearError("model is already compressed: call decompress_model first")
+    check_uncompressed(model)
     config = CodecConfig(level=level, layout=layout, chunk_bytes=chunk_bytes, raw_below=raw_below)
     threads = check_threads(threads)
-    if policy not in POLICIES:
-        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    check_policy(policy)
     names, skipped = select_linears(model, include, exclude)
-    tables = []
-    for name, module in model.named_modules() if embeddings else ():
-        if isinstance(module, nn.Embedding):
-            reason = own_forward(module)
-            if reason is None:
-                tables.append(name)
-            else:
-                # Left plain, with the Linear tied to it (skipped above): compressing the
-                # table alone would drop what its forward does (a scale: other logits).
-                skipped[name] = reason
-    for name in tables:
-        check_embedding(name, model.get_submodule(name))
-    modules = [model.get_submodule(name) for name in names + tables]
+    tables = select_embeddings(model, skipped) if embeddings else []
+    modules = {name: model.get_submodule(name) for name in names + tables}
     if progress is None:
-        progress = sum(m.weight.nbytes for m in modules) >= PROGRESS_MIN_BYTES
-    bar = ProgressBar(len(modules)) if progress else None
-    layers: dict[str, CompressedLinear] = {}
-    compressed_tables: dict[str, CompressedEmbedding] = {}
-    # Layers are encoded concurrently (zstd releases the GIL), in order for the bar.
-    with ThreadPoolExecutor(threads) as pool:
-        encoded = pool.map(lambda m: encode_weight(m.weight, config), modules)
-        for name, module, enc in zip(names + tables, modules, encoded, strict=True):
-            if isinstance(module, nn.Embedding):
-                compressed_tables[name] = CompressedEmbedding(enc, name, module.padding_idx)
-            else:
-                layers[name] = CompressedLinear(enc, module.bias, name)
-            if bar is not None:
-                bar.advance(name)
+        progress = sum(m.weight.nbytes for m in modules.values()) >= PROGRESS_MIN_BYTES
+    layers, compressed_tables = _encode(modules, config, threads, progress)
     for name, table in compressed_tables.items():
         for head in tied_to(model, name):
             layers[head] = CompressedLinear(table.encoded, model.get_submodule(head).bias, head)
             skipped.pop(head, None)
     install(model, layers, policy, threads, policy_options, compressed_tables)
     return report_of(model.__dict__[RUNTIME_ATTR].stored_weights(), skipped)
+
+
+def _encode(
+    modules: dict[str, nn.Module], config: CodecConfig, threads: int, progress: bool
+) -> tuple[dict[str, CompressedLinear], dict[str, CompressedEmbedding]]:
+    """Encode ``modules`` (fqn -> nn.Linear or nn.Embedding) into CompressedLinear and
+    CompressedEmbedding modules; the model is not touched."""
+    bar = ProgressBar(len(modules)) if progress else None
+    layers: dict[str, CompressedLinear] = {}
+    tables: dict[str, CompressedEmbedding] = {}
+    # Layers are encoded concurrently (zstd releases the GIL), in order for the bar.
+    with ThreadPoolExecutor(threads) as pool:
+        encoded = pool.map(lambda m: encode_weight(m.weight, config), modules.values())
+        for (name, module), enc in zip(modules.items(), encoded, strict=True):
+            if isinstance(module, nn.Embedding):
+                tables[name] = CompressedEmbedding(enc, name, module.padding_idx)
+            else:
+                layers[name] = CompressedLinear(enc, module.bias, name)
+            if bar is not None:
+                bar.advance(name)
+    return layers, tables
 
 
 def decompress_model(model: nn.Module) -> nn.Module:
@@ -394,6 +414,15 @@ def compression_report(model: nn.Module) -> CompressionReport:
 
 
 def compressed_layers(model: nn.Module) -> dict[str, CompressedLinear]:
-    """Fully qualified name -> CompressedLinear, for every compressed Linear of ``model``
-    (a tied lm_head included); ZstdLinearError if it is not compressed."""
+    """The compressed Linear layers of a model.
+
+    Args:
+        model: a compressed model.
+
+    Returns:
+        Fully qualified name -> CompressedLinear, a tied lm_head included.
+
+    Raises:
+        ZstdLinearError: ``model`` is not compressed.
+    """
     return dict(runtime_of(model).layers)

@@ -36,7 +36,14 @@ ATTN_KEY = "zstd_linear_attn_implementation"
 
 
 def companion_path(path: str | os.PathLike) -> Path:
-    """Where the rest of a .zlin file's model is kept: ``<path>.safetensors``."""
+    """Where the rest of a .zlin file's model is kept.
+
+    Args:
+        path: the .zlin file.
+
+    Returns:
+        ``<path>.safetensors``, beside it.
+    """
     path = Path(path)
     return path.with_name(path.name + ".safetensors")
 

@@ -7,6 +7,18 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class LayerReport:
+    """One stored weight's sizes.
+
+    Args:
+        name: the layer's fully qualified name.
+        dtype: a SUPPORTED_DTYPES name.
+        shape: (out_features, in_features), or (num_embeddings, embedding_dim).
+        layout: the LAYOUTS name it was encoded with.
+        original_bytes: its decoded size.
+        compressed_bytes: its frames' size.
+        file_backed_bytes: of ``compressed_bytes``, pages of the mapped .zlin file.
+    """
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -22,7 +34,12 @@ class LayerReport:
 
 @dataclass
 class CompressionReport:
-    """layers: the compressed Linear layers; skipped: name -> why it stayed plain."""
+    """What a model stores compressed, and what stayed plain.
+
+    Args:
+        layers: one LayerReport per stored weight.
+        skipped: name -> why a Linear or embedding stayed plain.
+    """
 
     layers: list[LayerReport]
     skipped: dict[str, str] = field(default_factory=dict)
@@ -51,7 +68,11 @@ class CompressionReport:
         return self.original_bytes / max(1, self.compressed_bytes)
 
     def table(self) -> str:
-        """A markdown table, one row per layer plus the total."""
+        """The report as markdown.
+
+        Returns:
+            A markdown table, one row per layer plus the total.
+        """
         lines = [
             "| layer | dtype | shape | layout | original | compressed | ratio |",
             "|---|---|---|---|---:|---:|---:|",

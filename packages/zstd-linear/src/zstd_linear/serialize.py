@@ -9,11 +9,19 @@ import torch.nn as nn
 
 from zstd_linear.decoder import check_threads
 from zstd_linear.embedding import CompressedEmbedding
-from zstd_linear.errors import CompressedFileError, ZstdLinearError
+from zstd_linear.errors import CompressedFileError
 from zstd_linear.fileformat import read_file, write_file
 from zstd_linear.layer import CompressedLinear
-from zstd_linear.model import RUNTIME_ATTR, install, own_forward, report_of, runtime_of, tied_to
-from zstd_linear.policies import POLICIES
+from zstd_linear.model import (
+    RUNTIME_ATTR,
+    check_uncompressed,
+    install,
+    own_forward,
+    report_of,
+    runtime_of,
+    tied_to,
+)
+from zstd_linear.policies import check_policy
 from zstd_linear.pretrained import build_model, check_filled, save_companion
 
 
@@ -94,14 +102,11 @@ def load_compressed(
         ImportError: ``model`` is None and transformers is not installed.
     """
     build = model is None
-    if not build and not isinstance(model, nn.Module):
-        raise ZstdLinearError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not build and RUNTIME_ATTR in model.__dict__:
-        raise ZstdLinearError("model is already compressed: call decompress_model first")
+    if not build:
+        check_uncompressed(model)
     # Arguments first: reading verifies every weight, too long to waste on a typo.
     threads = check_threads(threads)
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    check_policy(policy)
     if build:
         model = build_model(path)
     entries = read_file(path, threads=threads)
@@ -112,34 +117,53 @@ def load_compressed(
         target = modules.get(name)
         if isinstance(target, nn.Embedding) and bias is None:
             tables[name] = _embedding(path, name, encoded, target)
-            continue
-        if not isinstance(target, nn.Linear):
-            found = "nothing" if target is None else type(target).__name__
-            raise CompressedFileError(
-                f"layer {name!r} of {path} must name an nn.Linear (or an nn.Embedding) in "
-                f"model, found {found}{_replaced_hint(modules, name)}"
-            )
-        want = (target.out_features, target.in_features)
-        if encoded.shape != want:
-            raise CompressedFileError(
-                f"layer {name!r} of {path} has shape {encoded.shape}, the model's is {want}"
-            )
-        if target.weight.dtype != encoded.torch_dtype:
-            raise CompressedFileError(
-                f"layer {name!r} of {path} has dtype {encoded.dtype}, "
-                f"the model's is {_name(target.weight.dtype)}"
-            )
-        if (bias is None) != (target.bias is None):
-            raise CompressedFileError(
-                f"layer {name!r} of {path} {'has no' if bias is None else 'has a'} bias, "
-                f"the model's Linear {'has one' if bias is None else 'has none'}"
-            )
-        if bias is not None and bias.dtype != target.bias.dtype:
-            raise CompressedFileError(
-                f"layer {name!r} of {path} has a {_name(bias.dtype)} bias, "
-                f"the model's is {_name(target.bias.dtype)}"
-            )
-        layers[name] = CompressedLinear(encoded, bias, name)
+        else:
+            layers[name] = _linear(path, name, encoded, bias, modules)
+    _add_tied_heads(path, model, layers, tables)
+    install(model, layers, policy, threads, policy_options, tables)
+    if build:
+        check_filled(model, path)
+        return model
+    return report_of(model.__dict__[RUNTIME_ATTR].stored_weights(), {})
+
+
+def _linear(path, name: str, encoded, bias, modules: dict[str, nn.Module]) -> CompressedLinear:
+    """The CompressedLinear of the file's layer ``name``, checked against the model's."""
+    target = modules.get(name)
+    if not isinstance(target, nn.Linear):
+        found = "nothing" if target is None else type(target).__name__
+        raise CompressedFileError(
+            f"layer {name!r} of {path} must name an nn.Linear (or an nn.Embedding) in "
+            f"model, found {found}{_replaced_hint(modules, name)}"
+        )
+    want = (target.out_features, target.in_features)
+    if encoded.shape != want:
+        raise CompressedFileError(
+            f"layer {name!r} of {path} has shape {encoded.shape}, the model's is {want}"
+        )
+    if target.weight.dtype != encoded.torch_dtype:
+        raise CompressedFileError(
+            f"layer {name!r} of {path} has dtype {encoded.dtype}, "
+            f"the model's is {_name(target.weight.dtype)}"
+        )
+    if (bias is None) != (target.bias is None):
+        raise CompressedFileError(
+            f"layer {name!r} of {path} {'has no' if bias is None else 'has a'} bias, "
+            f"the model's Linear {'has one' if bias is None else 'has none'}"
+        )
+    if bias is not None and bias.dtype != target.bias.dtype:
+        raise CompressedFileError(
+            f"layer {name!r} of {path} has a {_name(bias.dtype)} bias, "
+            f"the model's is {_name(target.bias.dtype)}"
+        )
+    return CompressedLinear(encoded, bias, name)
+
+
+def _add_tied_heads(
+    path, model: nn.Module, layers: dict[str, CompressedLinear], tables: dict
+) -> None:
+    """Add to ``layers`` a CompressedLinear over each of ``tables``' frames for every
+    Linear tied to it (a tied lm_head), which the file does not hold itself."""
     for name, table in tables.items():
         for head in tied_to(model, name):
             if head in layers:
@@ -153,11 +177,6 @@ def load_compressed(
                     "bias, which the file does not hold"
                 )
             layers[head] = CompressedLinear(table.encoded, None, head)
-    install(model, layers, policy, threads, policy_options, tables)
-    if build:
-        check_filled(model, path)
-        return model
-    return report_of(model.__dict__[RUNTIME_ATTR].stored_weights(), {})
 
 
 def _embedding(path, name: str, encoded, target: nn.Embedding) -> CompressedEmbedding:

@@ -15,10 +15,15 @@ POLICIES: dict[str, type[CachePolicy]] = {
 }
 
 
+def check_policy(name) -> None:
+    """ZstdLinearError unless ``name`` is a ``POLICIES`` name."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+
+
 def make_policy(name: str, store: BackingStore, **options) -> CachePolicy:
     """The policy ``name`` over ``store``; ZstdLinearError for an unknown name or option."""
-    if name not in POLICIES:
-        raise ZstdLinearError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+    check_policy(name)
     try:
         return POLICIES[name](store, **options)
     except TypeError as exc:
@@ -34,5 +39,6 @@ __all__ = [
     "PerPass",
     "PerPassPrefetch",
     "Resident",
+    "check_policy",
     "make_policy",
 ]

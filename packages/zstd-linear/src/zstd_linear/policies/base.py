@@ -23,14 +23,17 @@ from zstd_linear.codec import EncodedWeight
 class BackingStore:
     """What a policy may use, and all it may use.
 
-    pool: the decode buffers (slabs and dedicated buffers; it counts their bytes).
-    decode: ``decode(name, buf) -> weight``: decodes layer ``name`` into the front of
-    ``buf`` ((>= nbytes(name),) uint8, from ``pool``) and returns the weight view,
-    (out_features, in_features), the layer's dtype; counted in the model's stats.
-    encoded: name -> the layer's EncodedWeight (sizes, frames), in the model's order.
-    record_wait: ``record_wait(seconds)``: time a forward call waited for a weight.
-    stream_bytes: the buffer the runtime streams a layer tied to an embedding through,
-    where it has one (see ``CachePolicy.keeps``); 0 otherwise.
+    Args:
+        pool: the decode buffers (slabs and dedicated buffers; it counts their bytes).
+        decode: ``decode(name, buf) -> weight``: decodes layer ``name`` into the front
+            of ``buf`` ((>= nbytes(name),) uint8, from ``pool``) and returns the weight
+            view, (out_features, in_features), the layer's dtype; counted in the
+            model's stats.
+        encoded: name -> the layer's EncodedWeight (sizes, frames), in the model's
+            order.
+        record_wait: ``record_wait(seconds)``: time a forward call waited for a weight.
+        stream_bytes: the buffer the runtime streams a layer tied to an embedding
+            through, where it has one (see ``CachePolicy.keeps``); 0 otherwise.
     """
 
     pool: BufferPool
@@ -40,7 +43,14 @@ class BackingStore:
     stream_bytes: int = 0
 
     def nbytes(self, name: str) -> int:
-        """Decoded bytes of layer ``name``."""
+        """The decoded size of a layer.
+
+        Args:
+            name: the layer's fully qualified name, a key of ``encoded``.
+
+        Returns:
+            Its decoded bytes.
+        """
         return self.encoded[name].original_bytes
 
 
@@ -50,6 +60,9 @@ class CachePolicy(ABC):
     The runtime brackets every layer's F.linear with ``acquire(name)`` (returns the
     decoded weight, (out, in), the layer's dtype) and ``release(name)``, and calls
     ``on_pass_start`` when the root module's forward begins.
+
+    Args:
+        store: all the policy may use (buffers, a decode call, the stored weights).
     """
 
     name: ClassVar[str]
@@ -58,19 +71,42 @@ class CachePolicy(ABC):
         self.store = store
 
     def on_pass_start(self, index: int) -> None:  # noqa: B027 - most policies ignore passes
-        """A new forward pass of the root module begins."""
+        """A new forward pass of the root module begins.
+
+        Args:
+            index: the pass's number: 1 for the first, never going back.
+        """
 
     @abstractmethod
-    def acquire(self, name: str) -> torch.Tensor: ...
+    def acquire(self, name: str) -> torch.Tensor:
+        """The decoded weight of a layer, for one F.linear.
+
+        Args:
+            name: the layer's fully qualified name.
+
+        Returns:
+            (out_features, in_features), the layer's dtype; valid until
+            ``release(name)``.
+        """
 
     def release(self, name: str) -> None:  # noqa: B027 - most keep the weight
-        """The F.linear that used ``acquire(name)``'s weight has returned."""
+        """The F.linear that used ``acquire(name)``'s weight has returned.
+
+        Args:
+            name: the layer's fully qualified name.
+        """
 
     def keeps(self, name: str) -> bool:
         """Whether this policy keeps layer ``name`` decoded from one pass to the next.
 
         The runtime streams a layer tied to an embedding (a group of chunks at a time,
         never the whole table) unless its policy keeps it: then ``acquire`` serves it.
+
+        Args:
+            name: the layer's fully qualified name.
+
+        Returns:
+            True when the policy keeps it decoded.
         """
         return False
 

@@ -162,7 +162,11 @@ class Budget(CachePolicy):
         return name in self.pinned
 
     def cached(self) -> list[str]:
-        """Names of the pinned layers decoded so far, sorted."""
+        """The pinned layers decoded so far.
+
+        Returns:
+            Their fully qualified names, sorted.
+        """
         return sorted(self._weights)
 
     def close(self) -> None:
