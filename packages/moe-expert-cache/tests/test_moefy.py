@@ -98,3 +98,30 @@ def test_the_build_key_ignores_which_transformers_wrote_the_config(tmp_path):
         (d / "model.safetensors").write_bytes(b"0" * 8)
         keys.append(build_key(d, IDS, SHARED))
     assert keys[0] == keys[1] != keys[2]
+
+
+def test_calibration_forward_matches_mlx_lm(tiny_llama):
+    """moefy's numpy forward (BLAS products, the layer's own MLX norms and RoPE) gives what
+    mlx-lm's own layers give: each layer's MLP input and neuron activations, per chunk."""
+    import mlx.nn as nn
+    from mlx_lm.models.base import create_attention_mask
+
+    from membound_testing.moefy.split import layer_activations
+
+    model = load_dense(tiny_llama)
+    chunks = [np.asarray(IDS[:40]), np.asarray(IDS[40:96])]
+    hs = [model.model.embed_tokens(mx.array(c)[None]) for c in chunks]
+    got = list(layer_activations(model, chunks))
+    assert len(got) == len(model.model.layers) == 2
+    for layer, (x, act) in zip(model.model.layers, got, strict=True):
+        xs, acts = [], []
+        for i, h in enumerate(hs):
+            h = h + layer.self_attn(layer.input_layernorm(h), create_attention_mask(h), None)
+            x_ref = layer.post_attention_layernorm(h)
+            a_ref = nn.silu(layer.mlp.gate_proj(x_ref)) * layer.mlp.up_proj(x_ref)
+            hs[i] = h + layer.mlp.down_proj(a_ref)
+            xs.append(np.array(x_ref[0]))
+            acts.append(np.array(a_ref[0]))
+        assert x.shape == (96, 32) and act.shape == (96, 64)
+        np.testing.assert_allclose(x, np.concatenate(xs), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(act, np.concatenate(acts), atol=1e-4, rtol=1e-4)

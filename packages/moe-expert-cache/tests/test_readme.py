@@ -25,8 +25,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, real_moe):
-    """The reader's working directory, with the MoE build already in its ``moe-cache/``."""
+def workdir(tmp_path_factory, real_moe, real_shared_moe):
+    """The reader's working directory, with the MoE builds already in its ``moe-cache/``."""
     from membound_testing.models import smollm2_float_dir
 
     smollm2_importable()
@@ -35,6 +35,10 @@ def workdir(tmp_path_factory, real_moe):
     assert suffix.startswith("-moe16-top4-"), real_moe.name
     (work / "moe-cache").mkdir()
     (work / "moe-cache" / f"smollm2-f32{suffix}").symlink_to(real_moe, target_is_directory=True)
+    suffix = real_shared_moe.name[len(smollm2_float_dir().name) :]  # -moe16-top6-shared256-<key>
+    assert suffix.startswith("-moe16-top6-shared256-"), real_shared_moe.name
+    link = work / "moe-cache" / f"smollm2-f32{suffix}"
+    link.symlink_to(real_shared_moe, target_is_directory=True)
     return work
 
 
@@ -57,12 +61,15 @@ def test_every_block_is_run_or_marked_as_an_example():
             assert "minute" in block.example_only or "hour" in block.example_only, block.line
         else:
             assert block.lang in ("python", "bash"), (block.line, block.lang)
-    assert len([b for b in blocks(README, "python") if b.example_only is None]) == 6
+    assert len([b for b in blocks(README, "python") if b.example_only is None]) == 7
 
 
-def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, workdir):
-    # The README's float copy of the GGUF is the fixture's source, so its build is found.
+def test_python_blocks_run_on_the_moefied_smollm2(namespace, real_moe, real_shared_moe, workdir):
+    # The README's float copy of the GGUF is the fixtures' source, so their builds are found.
     assert (workdir / namespace["moe_dir"]).resolve() == real_moe.resolve()
+    assert (workdir / namespace["shared_dir"]).resolve() == real_shared_moe.resolve()
+    lean = namespace["lean"].manager
+    assert lean.resident_expert_bytes() * 2 == lean.all_expert_bytes()
     assert (workdir / "smollm2-f32" / "model.safetensors").is_file()
     # exact mode under mlx_lm.generate: the README itself asserts the stock text; the cache
     # saw every forward (prompt + 16 new tokens, 4 experts each, 30 layers) and loaded

@@ -25,7 +25,7 @@ from membound_testing.moefy.split import layer_activations, split_layer
 BUILD_RECORD = "moefy.json"
 # In the build key: bump it when what a build writes changes (the algorithm, the files,
 # or moe-expert-cache's integrity record that ``seal`` writes), so old builds are not found.
-BUILD_FORMAT = 2
+BUILD_FORMAT = 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
