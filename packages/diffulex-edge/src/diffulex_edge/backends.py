@@ -45,24 +45,51 @@ class Backend(ABC):
 
     @abstractmethod
     def denoise(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the active block at ``cache_len``; the cache is unchanged."""
+        """Logits of the active block at ``cache_len``; the cache is unchanged.
+
+        Args:
+            block_ids: (1, bs) int64, the block's current tokens (masks included).
+
+        Returns:
+            (1, bs, vocab) float logits.
+        """
 
     @abstractmethod
     def commit(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Write the block's K/V at ``cache_len``, advance ``cache_len`` by bs, and return
-        the block's logits (1, bs, vocab)."""
+        """Write the block's K/V at ``cache_len`` and advance ``cache_len`` by bs.
+
+        Args:
+            block_ids: (1, bs) int64, the block's final tokens.
+
+        Returns:
+            (1, bs, vocab) float logits of the block.
+        """
 
     def prefill(self, ids: torch.Tensor) -> None:
-        """ids: (1, n * bs) int64: commit whole prompt blocks, one forward each."""
+        """Commit whole prompt blocks, one forward each.
+
+        Args:
+            ids: (1, n * bs) int64 prompt tokens.
+        """
         bs = self.block_size
         for start in range(0, ids.shape[1], bs):
             self.commit(ids[:, start : start + bs])
 
     def prefill_causal(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """ids: (1, n) int64 under the causal mask of an autoregressive model; returns the
-        last token's logits (1, vocab), or every token's (1, n, vocab) with ``all_logits``
-        (for perplexity). This default commits one token per forward (block size 1);
-        backends with a chunked path override it."""
+        """A prompt under the causal mask of an autoregressive model, committed after what
+        is cached. This default commits one token per forward (block size 1); backends with
+        a chunked path override it.
+
+        Args:
+            ids: (1, n) int64 prompt tokens, n >= 1.
+            all_logits: Return every token's logits (for perplexity), not just the last's.
+
+        Returns:
+            (1, vocab) float logits of the last token, or (1, n, vocab) with ``all_logits``.
+
+        Raises:
+            ValueError: An empty prompt, or a block size other than 1.
+        """
         if self.block_size != 1:
             raise ValueError(
                 f"causal prefill token by token needs block_size 1, this backend has "
@@ -111,7 +138,11 @@ class EagerDynamic(Backend):
 
     @torch.no_grad()
     def prefill(self, ids):
-        """All prompt blocks in one forward under the block-causal mask, as the reference."""
+        """All prompt blocks in one forward under the block-causal mask, as the reference.
+
+        Args:
+            ids: (1, n * bs) int64 prompt tokens.
+        """
         n = ids.shape[1]
         if n == 0:
             return
@@ -122,7 +153,15 @@ class EagerDynamic(Backend):
 
     @torch.no_grad()
     def prefill_causal(self, ids, all_logits=False):
-        """The whole prompt in one forward under the causal mask, after what is cached."""
+        """The whole prompt in one forward under the causal mask, after what is cached.
+
+        Args:
+            ids: (1, n) int64 prompt tokens, n >= 1.
+            all_logits: Return every token's logits, not just the last's.
+
+        Returns:
+            (1, vocab) float logits of the last token, or (1, n, vocab) with ``all_logits``.
+        """
         n, past = ids.shape[1], self.cache_len
         if n == 0:
             raise ValueError("prefill_causal needs at least one token")

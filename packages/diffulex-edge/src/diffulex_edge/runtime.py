@@ -313,6 +313,15 @@ class PteEngine:
         return None if self.record is None else self.record.config
 
     def check_config(self, config: SDARConfig) -> None:
+        """Refuse a config other than the one the program was exported from.
+
+        Args:
+            config: The model config the caller means to run (e.g. to compare eager and
+                ``.pte`` outputs).
+
+        Raises:
+            DiffulexEdgeError: Its shapes or its config digest differ from the program's.
+        """
         got = {
             "num_layers": config.num_hidden_layers,
             "kv_heads": config.num_key_value_heads,

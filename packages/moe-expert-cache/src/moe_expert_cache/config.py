@@ -124,7 +124,19 @@ class ExpertCacheConfig:
                 )
 
     def layer_capacities(self, num_experts: Sequence[int], top_k: int) -> list[int]:
-        """Resident experts per MoE layer, checked against ``top_k`` and each layer's size."""
+        """Resident experts per MoE layer, checked against ``top_k`` and each layer's size.
+
+        Args:
+            num_experts: Each MoE layer's number of experts, in model order.
+            top_k: The experts each token is routed to.
+
+        Returns:
+            The resident experts of each layer, each in ``[top_k, num_experts]``.
+
+        Raises:
+            ExpertCacheError: A saved state made for other layer sizes or another top-k, or a
+                capacity that does not fit a layer.
+        """
         if self.num_experts is not None and list(self.num_experts) != list(num_experts):
             raise ExpertCacheError(
                 f"the saved state is for {list(self.num_experts)} experts per MoE layer, the "

@@ -55,19 +55,23 @@ def _default_threads() -> int:
 class PairedCacheConfig:
     """How a PairedCache updates.
 
-    hybrid_tau: rebuild by gather when k = |added| + |removed| > hybrid_tau * m, where m is
-    the mean of the active rows before and after the update (>= 0; 0 always rebuilds,
-    >= 2 never does, since k <= 2m). The default 1.8 is measured, not the design's 0.5: a
-    paired update copies max(|A|, |R|) rows (k / 2 when the mask keeps its size), a rebuild
-    all m, in ascending row order and a little faster per row, so rebuilding only pays once
-    nearly every row changes.
-    grain: rows per parallel chunk, in [1, 2**31 - 1]. par_threshold: updates copying fewer
-    rows stay on the calling thread, in [0, 2**63 - 1]. num_threads: threads for row copies
-    (1..64). Every field is checked at construction (a bool is not an int here, NaN is not
-    a number) and again by PairedCache, before the C core sees it; a bad value raises
-    PairedCacheError naming the field and its range.
-    Each defaults to its environment variable (PAIRED_CACHE_HYBRID_TAU = 1.8,
-    PAIRED_CACHE_GRAIN = 64, PAIRED_CACHE_PAR_THRESHOLD = 64) or the usable cores.
+    Every field is checked at construction (a bool is not an int here, NaN is not a number)
+    and again by PairedCache, before the C core sees it; a bad value raises PairedCacheError
+    naming the field and its range. Each defaults to its environment variable
+    (PAIRED_CACHE_HYBRID_TAU = 1.8, PAIRED_CACHE_GRAIN = 64, PAIRED_CACHE_PAR_THRESHOLD = 64)
+    or the usable cores.
+
+    Attributes:
+        hybrid_tau: Rebuild by gather when k = |added| + |removed| > hybrid_tau * m, where m
+            is the mean of the active rows before and after the update (>= 0; 0 always
+            rebuilds, >= 2 never does, since k <= 2m). The default 1.8 is measured, not the
+            design's 0.5: a paired update copies max(|A|, |R|) rows (k / 2 when the mask
+            keeps its size), a rebuild all m, in ascending row order and a little faster
+            per row, so rebuilding only pays once nearly every row changes.
+        grain: Rows per parallel chunk, in [1, 2**31 - 1].
+        par_threshold: Updates copying fewer rows stay on the calling thread, in
+            [0, 2**63 - 1].
+        num_threads: Threads for row copies (1..64).
     """
 
     hybrid_tau: float = field(

@@ -62,8 +62,18 @@ class SparseFFN(CachedMLP):
         down_bias: torch.Tensor | None = None,
         prefill: str = "sparse",
     ) -> None:
-        """cache: fc1 as up (N, hidden) and fc2 as down (hidden, N), no gate; up_bias: (N,),
-        down_bias: (hidden,), or None; prefill: as SparseMLP's."""
+        """
+        Args:
+            cache: fc1 as up (N, hidden) and fc2 as down (hidden, N), no gate.
+            act: The activation between them.
+            source: Picks each token's rows (``source.k`` of the cache's N).
+            up_bias: (N,) fc1's bias, or None.
+            down_bias: (hidden,) fc2's bias, or None.
+            prefill: As SparseMLP's: "sparse" or "dense".
+
+        Raises:
+            PairedCacheError: A cache with a gate, or one that does not hold the source's rows.
+        """
         super().__init__()
         check_prefill(prefill)
         if cache.gate_cols or source.n_rows != cache.n_rows or source.k > cache.capacity:
@@ -131,6 +141,15 @@ class SparseFFN(CachedMLP):
         return self.pool_rows_read * self.cache.active_row_bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN over each token's predicted-active rows (a multi-token input with
+        ``prefill="dense"``: over every row).
+
+        Args:
+            x: (..., hidden) the FFN's input.
+
+        Returns:
+            (..., hidden) its output, in ``x``'s dtype.
+        """
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.cache.dtype)  # (T, hidden)
         if flat.shape[0] > 1 and self.prefill == "dense":

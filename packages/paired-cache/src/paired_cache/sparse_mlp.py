@@ -289,7 +289,11 @@ class SparseMLP(CachedMLP):
         The mask source (when it computes act(gate x)) and a dense prefill then compute
         gate x by calling the child found under that name at forward time, so that another
         package may replace ``sparse_mlp.gate_proj`` by any module computing x @ W.T (a
-        compressed linear) and have it used."""
+        compressed linear) and have it used.
+
+        Args:
+            gate: (N, hidden) the gate projection's weight, in the pool's dtype.
+        """
         with torch.device("meta"):  # no weight allocated: gate takes its place
             linear = nn.Linear(gate.shape[1], gate.shape[0], bias=False, dtype=gate.dtype)
         linear.weight = nn.Parameter(gate, requires_grad=False)
@@ -396,6 +400,15 @@ class SparseMLP(CachedMLP):
         return h @ self.cache.down_pool_T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP over each token's predicted-active rows (a multi-token input with
+        ``prefill="dense"``: over every row).
+
+        Args:
+            x: (..., hidden) the MLP's input.
+
+        Returns:
+            (..., hidden) its output, in ``x``'s dtype.
+        """
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(self.weight_dtype)  # (T, hidden)
         if flat.shape[0] > 1 and self._prefill == "dense":

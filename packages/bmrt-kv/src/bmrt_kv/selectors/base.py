@@ -60,8 +60,10 @@ class Selector(ABC):
 
     A selector's options are dataclass fields, checked in ``__post_init__`` (as kvpress's
     presses are): a bad value raises :class:`~bmrt_kv.BMRTError` naming the selector and
-    the option when the config is built, never mid-stream. ``seed`` seeds its random
-    projections; :class:`~bmrt_kv.BMRTConfig` sets it per layer.
+    the option when the config is built, never mid-stream.
+
+    Attributes:
+        seed: Seeds its random projections; :class:`~bmrt_kv.BMRTConfig` sets it per layer.
     """
 
     seed: int = 0
