@@ -7,6 +7,7 @@ import sys
 import decode_bench
 import fuzz
 import moefy_quality
+import moefy_sweep
 import prefetch_bench
 import real_decode
 import real_traces
@@ -17,6 +18,7 @@ from _common import COMMAND
 def main() -> None:
     quick = "--quick" in sys.argv[1:]
     moefy_quality.run(quick)
+    moefy_sweep.run(quick)
     real_traces.run(quick)
     simulator_bench.run(quick)
     decode_bench.run(quick)
