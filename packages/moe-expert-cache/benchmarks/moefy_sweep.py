@@ -15,7 +15,6 @@ reproduces ``moefy_quality``'s figures on the mlx-lm checkpoint (248, 86, 43 aga
 
 from __future__ import annotations
 
-import math
 import sys
 
 import numpy as np
@@ -24,7 +23,7 @@ from _common import COMMAND, write_result
 from texts import texts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from membound_testing.models import smollm2_float_dir
+from membound_testing.models import causal_lm_perplexity, smollm2_float_dir
 from membound_testing.moefy import calibration_text
 from membound_testing.moefy.split import _fit_router, balanced_kmeans
 
@@ -32,18 +31,6 @@ WINDOW = 512
 SAMPLED = 8192  # tokens sampled from the dense model: 16 sequences of 512
 # (experts, shared neurons, top-k): the demo's build, then finer experts at half the routed
 LAYOUTS = [(16, 256, 6), (16, 256, 8), (64, 256, 32), (128, 256, 64)]
-
-
-def perplexity(model, ids: list[int]) -> float:
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, WINDOW):
-        chunk = torch.tensor(ids[start : start + WINDOW + 1])
-        if len(chunk) < 2:
-            break
-        logits = model(chunk[None, :-1]).logits[0]
-        nll += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
-        count += len(chunk) - 1
-    return math.exp(nll / count)
 
 
 def mlp_inputs_and_activations(model, sequences: list[list[int]]):
@@ -111,7 +98,7 @@ def masked_perplexities(model, masks, held_out: dict) -> list[float]:
 
         mlp.forward = forward
     try:
-        return [perplexity(model, ids) for ids in held_out.values()]
+        return [causal_lm_perplexity(model, ids, WINDOW) for ids in held_out.values()]
     finally:
         for layer, original in zip(model.model.layers, originals, strict=True):
             layer.mlp.forward = original
@@ -141,7 +128,7 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
     if quick:
         held_out = {kind: ids[:64] for kind, ids in held_out.items()}
         layouts, sampled = LAYOUTS[:2], 512
-    dense = [perplexity(model, ids) for ids in held_out.values()]
+    dense = [causal_lm_perplexity(model, ids, WINDOW) for ids in held_out.values()]
     ids = tokenizer(calibration_text())["input_ids"]
     calibration = [ids[i : i + WINDOW] for i in range(0, len(ids), WINDOW)]
     X, A = mlp_inputs_and_activations(model, calibration)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -257,6 +258,33 @@ def chat_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
     )
+
+
+def causal_lm_perplexity(model, ids: list[int], window: int = 512) -> float:
+    """exp(mean next-token NLL) of a transformers causal LM over ``ids``, teacher-forced in
+    windows of ``window`` tokens (each window a sequence of its own, no cache).
+
+    Args:
+        model: A transformers causal LM (its forward returns ``.logits``).
+        ids: The text's token ids, at least 2.
+        window: Tokens predicted per forward.
+
+    Returns:
+        The perplexity.
+    """
+    import torch
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor(ids[start : start + window + 1])
+            if len(chunk) < 2:
+                break
+            logits = model(chunk[None, :-1]).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum")
+            nll += float(loss)
+            count += len(chunk) - 1
+    return math.exp(nll / count)
 
 
 def write_dir_atomic(target: Path, write) -> Path:
