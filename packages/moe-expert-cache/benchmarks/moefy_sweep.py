@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from membound_testing.models import causal_lm_perplexity, smollm2_float_dir
 from membound_testing.moefy import calibration_text
-from membound_testing.moefy.split import _fit_router, balanced_kmeans
+from membound_testing.moefy.split import expert_shares, fit_router, group_neurons, neuron_mass
 
 WINDOW = 512
 SAMPLED = 8192  # tokens sampled from the dense model: 16 sequences of 512
@@ -54,21 +54,18 @@ def routed_masks(model, X, A, experts: int, shared: int, top_k: int, oracle: boo
     """Per layer, a function (x, act) -> neuron mask of the layout under the router."""
     masks = []
     for i, layer in enumerate(model.model.layers):
-        down_norm = np.linalg.norm(layer.mlp.down_proj.weight.numpy(), axis=0)
-        mass = np.abs(A[i]) * down_norm  # moefy's neuron mass
-        always = np.argsort(-mass.mean(axis=0), kind="stable")[:shared]
-        routed = np.setdiff1d(np.arange(mass.shape[1]), always)
-        m = mass[:, routed].T
-        labels = balanced_kmeans(m / np.linalg.norm(m, axis=1, keepdims=True), experts, 10, i)
+        down = layer.mlp.down_proj.weight.numpy()
+        mass = neuron_mass(A[i], down)
+        _, groups = group_neurons(mass, shared, experts, 10, i)  # moefy's defaults, seed 0
         expert_of = np.full(mass.shape[1], experts)  # the shared neurons: a last, fixed slot
-        expert_of[routed] = labels
+        for e, group in enumerate(groups):
+            expert_of[group] = e
         expert_of = torch.tensor(expert_of)
         if oracle:
-            router, norm = None, torch.tensor(down_norm)
+            router, norm = None, torch.tensor(np.linalg.norm(down, axis=0))
         else:
-            em = np.stack([mass[:, routed[labels == e]].sum(1) for e in range(experts)], 1)
-            share = em / np.maximum(em.sum(1, keepdims=True), 1e-12)
-            router, norm = torch.tensor(_fit_router(X[i], share, 1e-3).astype(np.float32)), None
+            share = expert_shares(mass, groups)[1]
+            router, norm = torch.tensor(fit_router(X[i], share, 1e-3).astype(np.float32)), None
 
         def mask(x, act, router=router, norm=norm, expert_of=expert_of):
             if router is None:  # each expert's true mass

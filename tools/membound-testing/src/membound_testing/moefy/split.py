@@ -29,10 +29,11 @@ def layer_activations(
     hs = [np.array(model.model.embed_tokens(mx.array(c)), dtype=np.float32) for c in chunks]
     for layer in model.model.layers:
         xs, acts = [], []
-        mlp = layer.mlp
+        attn, mlp = layer.self_attn, layer.mlp
+        qkvo_t = [_w(m).T for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
         gate_t, up_t, down_t = (_w(m).T for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         for i, h in enumerate(hs):
-            h = h + _attention(layer.self_attn, _mx_apply(layer.input_layernorm, h))
+            h = h + _attention(attn, qkvo_t, _mx_apply(layer.input_layernorm, h))
             x = _mx_apply(layer.post_attention_layernorm, h)
             g = x @ gate_t
             a = g * 0.5 * (1.0 + np.tanh(0.5 * g)) * (x @ up_t)  # silu(gate x) * up x
@@ -50,12 +51,14 @@ def _mx_apply(module, x: np.ndarray) -> np.ndarray:
     return np.array(module(mx.array(x)), dtype=np.float32)
 
 
-def _attention(attn, x: np.ndarray) -> np.ndarray:
-    """mlx-lm Llama attention over one causal sequence x (L, D), without a cache."""
+def _attention(attn, qkvo_t: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """mlx-lm Llama attention over one causal sequence x (L, D), without a cache; qkvo_t:
+    its q, k, v and o projections' weights, transposed."""
     L = x.shape[0]
-    q = (x @ _w(attn.q_proj).T).reshape(L, attn.n_heads, -1).transpose(1, 0, 2)
-    k = (x @ _w(attn.k_proj).T).reshape(L, attn.n_kv_heads, -1).transpose(1, 0, 2)
-    v = (x @ _w(attn.v_proj).T).reshape(L, attn.n_kv_heads, -1).transpose(1, 0, 2)
+    q_t, k_t, v_t, o_t = qkvo_t
+    q = (x @ q_t).reshape(L, attn.n_heads, -1).transpose(1, 0, 2)
+    k = (x @ k_t).reshape(L, attn.n_kv_heads, -1).transpose(1, 0, 2)
+    v = (x @ v_t).reshape(L, attn.n_kv_heads, -1).transpose(1, 0, 2)
     q, k = _mx_apply(attn.rope, q), _mx_apply(attn.rope, k)  # (H, L, hd): RoPE over L
     repeat = attn.n_heads // attn.n_kv_heads  # grouped-query heads share a KV head
     k, v = np.repeat(k, repeat, axis=0), np.repeat(v, repeat, axis=0)
@@ -63,7 +66,7 @@ def _attention(attn, x: np.ndarray) -> np.ndarray:
     scores += np.triu(np.full((L, L), -np.inf, dtype=np.float32), 1)  # causal
     scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
     out = (scores / scores.sum(axis=-1, keepdims=True)) @ v  # (H, L, hd)
-    return out.transpose(1, 0, 2).reshape(L, -1) @ _w(attn.o_proj).T
+    return out.transpose(1, 0, 2).reshape(L, -1) @ o_t
 
 
 def balanced_kmeans(features: np.ndarray, k: int, iters: int, seed: int) -> np.ndarray:
@@ -108,7 +111,43 @@ def balanced_kmeans(features: np.ndarray, k: int, iters: int, seed: int) -> np.n
     return labels
 
 
-def _fit_router(x: np.ndarray, share: np.ndarray, ridge: float) -> np.ndarray:
+def neuron_mass(act: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """A neuron's contribution to the output per token: |activation| x the norm of its down
+    column. act: (N, F), down: (D, F) -> (N, F)."""
+    return np.abs(act) * np.linalg.norm(down, axis=0)
+
+
+def group_neurons(
+    mass: np.ndarray, shared: int, num_experts: int, iters: int, seed: int
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The ``shared`` neurons of largest mean mass, and the others in ``num_experts`` equal
+    groups of neurons that carry mass on the same tokens (:func:`balanced_kmeans`).
+
+    Args:
+        mass: (N, F) :func:`neuron_mass` over the calibration tokens.
+        shared: Neurons every token runs.
+        num_experts: Groups of the other neurons; divides F - shared.
+        iters: k-means rounds at most.
+        seed: Picks the first centroids.
+
+    Returns:
+        The shared neurons (shared,), sorted, and each group's neurons, sorted.
+    """
+    always = np.sort(np.argsort(-mass.mean(axis=0), kind="stable")[:shared])  # (shared,)
+    routed = np.setdiff1d(np.arange(mass.shape[1]), always)  # (F - shared,)
+    m = mass[:, routed].T  # (F - shared, N)
+    features = m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)
+    labels = balanced_kmeans(features, num_experts, iters, seed)
+    return always, [routed[labels == e] for e in range(num_experts)]
+
+
+def expert_shares(mass: np.ndarray, groups: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's mass per token (N, E), and its share of the routed mass (N, E)."""
+    expert_mass = np.stack([mass[:, g].sum(axis=1) for g in groups], axis=1)
+    return expert_mass, expert_mass / np.maximum(expert_mass.sum(axis=1, keepdims=True), 1e-12)
+
+
+def fit_router(x: np.ndarray, share: np.ndarray, ridge: float) -> np.ndarray:
     """x: (N, D), share: (N, E) -> W (D, E) minimising |x W - share|^2 + ridge |W|^2."""
     gram = x.T.astype(np.float64) @ x
     lam = ridge * float(np.trace(gram)) / gram.shape[0]
@@ -138,20 +177,13 @@ def split_layer(
         The layer's router statistics on the calibration tokens, and its weights by
         checkpoint name (attention and norms unchanged, the MoE block new).
     """
-    config, n_neurons, shared = plan.config, plan.n_neurons, plan.config.shared_size
+    config, shared = plan.config, plan.config.shared_size
     E, top_k = config.num_experts, config.top_k
     down = np.array(layer.mlp.down_proj.weight)  # (D, F)
-    # A neuron's contribution to the output: |activation| x the norm of its down column.
-    mass = np.abs(act) * np.linalg.norm(down, axis=0)  # (N, F)
-    always = np.sort(np.argsort(-mass.mean(axis=0), kind="stable")[:shared])  # (shared,)
-    routed = np.setdiff1d(np.arange(n_neurons), always)  # (F - shared,)
-    m = mass[:, routed].T  # (F - shared, N)
-    features = m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)
-    labels = balanced_kmeans(features, E, config.kmeans_iters, config.seed + index)
-    groups = [routed[labels == e] for e in range(E)]  # E x (size,)
-    expert_mass = np.stack([mass[:, g].sum(axis=1) for g in groups], axis=1)  # (N, E)
-    share = expert_mass / np.maximum(expert_mass.sum(axis=1, keepdims=True), 1e-12)
-    w = _fit_router(x, share, config.ridge)  # (D, E)
+    mass = neuron_mass(act, down)  # (N, F)
+    always, groups = group_neurons(mass, shared, E, config.kmeans_iters, config.seed + index)
+    expert_mass, share = expert_shares(mass, groups)  # (N, E) each
+    w = fit_router(x, share, config.ridge)  # (D, E)
     covered = np.sort(share, axis=1)[:, ::-1][:, :top_k].sum(axis=1)
     shared_mass = mass[:, always].sum(axis=1)  # (N,)
     stats = {
