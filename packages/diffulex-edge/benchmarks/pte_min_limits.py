@@ -8,7 +8,9 @@ tokens; this process decodes them. Each try is a fresh process in its own cgroup
 budget runner of ``membound_testing.budget``: a hard limit with swap off, the page
 cache dropped first);
 the smallest limit at which the answer still says "Paris" is bisected. The programs come
-from the side-by-side benchmark's ``--keep`` directory, plus two quantized exports:
+from the side-by-side benchmark's ``--keep`` directory, plus the quantized exports (or
+``smollm2_quality.py --keep DIR``, which writes the four static_kv 8da4w programs, 0.11's and
+0.10's, under the names below):
 
     hatch run diffulex-edge-optimum:bench --keep DIR
     diffulex-edge export MODEL_DIR -o DIR/diffulex-static_kv-8da4w.pte --variant static_kv --quantize 8da4w
@@ -45,6 +47,12 @@ PROGRAMS = {  # row -> (child kind, file or directory under DIR; None = the mode
     "diffulex-edge .pte block_kv": (KINDS[1], "diffulex-block_kv.pte"),
     "diffulex-edge .pte static_kv 8da4w": (KINDS[0], "diffulex-static_kv-8da4w.pte"),
     "diffulex-edge .pte static_kv 8da4w-mixed": (KINDS[0], "diffulex-static_kv-8da4w-mixed.pte"),
+    # 0.10's quantization (min-max, float embedding), beside 0.11's: smollm2_quality.py --keep
+    "diffulex-edge .pte static_kv 8da4w (0.10)": (KINDS[0], "diffulex-static_kv-8da4w-0.10.pte"),
+    "diffulex-edge .pte static_kv 8da4w-mixed (0.10)": (
+        KINDS[0],
+        "diffulex-static_kv-8da4w-mixed-0.10.pte",
+    ),
     "optimum-executorch .pte": (KINDS[2], "optimum"),
     "eager transformers": (KINDS[3], None),
 }
@@ -109,6 +117,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", nargs="+", choices=list(PROGRAMS), default=list(PROGRAMS))
     parser.add_argument("--resolution", type=int, default=16, help="MiB")
     parser.add_argument(
+        "--python",
+        help="the children's interpreter (default: the diffulex-edge-optimum environment's; "
+        "the diffulex-edge environment's runs every row but optimum-executorch's)",
+    )
+    parser.add_argument("--result", default="pte_min_limits", help="results/<RESULT>.json to write")
+    parser.add_argument(
         "--keep-ipc-lock",
         action="store_true",
         help="run the children with root's CAP_IPC_LOCK (default: dropped, as in a container)",
@@ -129,7 +143,7 @@ def main(argv=None) -> None:
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     prompt_ids = write_prompts(model_dir, args.programs / "prompt_ids.json")
-    python = optimum_python()
+    python = args.python or optimum_python()
     load_start = os.getloadavg()[0]
     rows, raw = [], {}
     plain = None
@@ -178,7 +192,7 @@ def main(argv=None) -> None:
     write_result(
         HERE / "results",
         package="diffulex-edge",
-        name="pte_min_limits",
+        name=args.result,
         title="SmolLM2-135M-Instruct: minimum hard memory limit per program",
         command="hatch run python packages/diffulex-edge/benchmarks/pte_min_limits.py DIR",
         columns=[

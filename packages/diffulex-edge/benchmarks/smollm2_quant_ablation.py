@@ -91,7 +91,10 @@ def quantized(base, layers, head, int8_kind=None):
 
     model = copy.deepcopy(base)
     if int8_kind is not None:  # the package's own mixed quantizer (8da4w g32 + 8da8w per row)
-        return quantize_8da4w(model, int8_layers=(int8_kind, "lm_head"))
+        # min-max and a float embedding, as the rest of this ablation (0.10's quantizer)
+        return quantize_8da4w(
+            model, int8_layers=(int8_kind, "lm_head"), clip=False, int8_embedding=False
+        )
     if head == "tied":
         quantize_(model, _config(*layers))
         return model

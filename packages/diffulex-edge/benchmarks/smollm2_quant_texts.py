@@ -1,9 +1,13 @@
-"""SmolLM2-135M-Instruct: fp32, 8da4w and 8da4w-mixed perplexity on more held-out text than
+"""SmolLM2-135M-Instruct: 8da4w and 8da4w-mixed perplexity on more held-out text than
 ``smollm2_quality.py``'s paragraph (145 tokens): the three texts of different kinds that
 moe-expert-cache's benchmarks use (prose, a chat transcript, Python source; written for
 membound or MIT source, read from ``packages/moe-expert-cache/benchmarks/texts.py``), up to
-1,000 tokens each. Eager model with the export's own quantizers (a program's static cache of
-256 would not take a 1,000-token prefill); no timing.
+1,000 tokens each. Each quantization three ways, side by side: as 0.10 did (min-max,
+float embedding: ``clip=False, int8_embedding=False``); as 0.11 does with a tokenizer (int4
+groups clipped on the package's calibration text, int8 embedding); as 0.11 does without one
+(clipped on random token ids). Eager model with
+the export's own quantizers (a program's static cache of 256 would not take a 1,000-token
+prefill); no timing.
 
     python packages/diffulex-edge/benchmarks/smollm2_quant_texts.py
 """
@@ -35,6 +39,7 @@ def main() -> None:
     from transformers import PreTrainedTokenizerFast
 
     from diffulex_edge import load_checkpoint
+    from diffulex_edge.calibration import calibration_ids
     from diffulex_edge.export import MIXED_INT8_LAYERS, quantize_8da4w
     from membound_testing.models import smollm2_float_dir
     from membound_testing.results import write_result
@@ -42,12 +47,17 @@ def main() -> None:
     model_dir = smollm2_float_dir()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     base = load_checkpoint(model_dir).eval()
-    models = {
-        "fp32": base,
-        "8da4w": quantize_8da4w(copy.deepcopy(base)),
-        "8da4w-mixed": quantize_8da4w(copy.deepcopy(base), int8_layers=MIXED_INT8_LAYERS),
-    }
-    rows, worst = [], {"8da4w": 0.0, "8da4w-mixed": 0.0}
+    text_ids = calibration_ids(tokenizer)
+    models = {"fp32": base}
+    for scheme, int8 in (("8da4w", ()), ("8da4w-mixed", MIXED_INT8_LAYERS)):
+        for way, options in (
+            ("min-max (0.10)", {"clip": False, "int8_embedding": False}),
+            ("clipped, package text", {"calibration": text_ids}),
+            ("clipped, random ids", {}),
+        ):
+            quantized = quantize_8da4w(copy.deepcopy(base), int8_layers=int8, **options)
+            models[f"{scheme} {way}"] = quantized
+    rows, worst = [], dict.fromkeys(list(models)[1:], 0.0)
     for name, text in texts().items():
         ids = torch.tensor([tokenizer(text)["input_ids"][:MAX_TOKENS]])
         ppl = {label: perplexity(model, ids) for label, model in models.items()}
@@ -55,24 +65,17 @@ def main() -> None:
         for label in worst:
             ratio = ppl[label] / ppl["fp32"]
             worst[label] = max(worst[label], ratio)
-            row += [round(ppl[label], 2), round(ratio, 3)]
+            row.append(round(ratio, 3))
         rows.append(row)
         print(row, flush=True)
     write_result(
         HERE / "results",
         package="diffulex-edge",
         name="smollm2_quant_texts",
-        title="SmolLM2-135M-Instruct: 8da4w and 8da4w-mixed perplexity on three more texts",
+        title="SmolLM2-135M-Instruct: 8da4w and 8da4w-mixed perplexity / fp32 on three more "
+        "texts, min-max against calibrated clipping",
         command=COMMAND,
-        columns=[
-            "text",
-            "tokens",
-            "fp32",
-            "8da4w",
-            "8da4w x fp32",
-            "8da4w-mixed",
-            "8da4w-mixed x fp32",
-        ],
+        columns=["text", "tokens", "fp32 perplexity", *(f"{label} x fp32" for label in worst)],
         rows=rows,
         targets=[
             {
@@ -84,7 +87,9 @@ def main() -> None:
         ],
         notes="One causal prefill of the eager model (diffulex-edge's SDAR port of SmolLM2, "
         "block size 1) per text and scheme, after the export's own quantize_8da4w; 8da4w-mixed "
-        f"keeps {' and '.join(MIXED_INT8_LAYERS)} in int8 weights, one scale per row. Texts: "
+        f"keeps {' and '.join(MIXED_INT8_LAYERS)} in int8 weights, one scale per row. "
+        f"Calibration: the package's text ({text_ids.numel()} tokens) or "
+        "diffulex_edge.calibration.random_ids (2,048, seed 0). Texts: "
         "moe-expert-cache/benchmarks/texts.py, the first "
         f"{MAX_TOKENS} tokens of each.",
     )

@@ -224,9 +224,8 @@ def test_the_wheel_holds_runtime_code_only(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         sources = {n: zf.read(n).decode() for n in names if n.endswith(".py")}
-    assert {"diffulex_edge/cli.py", "diffulex_edge/model.py", "diffulex_edge/py.typed"} <= set(
-        names
-    )
+    shipped = {"diffulex_edge/cli.py", "diffulex_edge/model.py", "diffulex_edge/py.typed"}
+    assert shipped | {"diffulex_edge/calibration.txt"} <= set(names)
     for name in names:
         assert not name.startswith(LEFT_THE_WHEEL), name
         assert not name.endswith(".safetensors"), name

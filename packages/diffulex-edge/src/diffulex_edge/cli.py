@@ -158,9 +158,37 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def _calibration(args):
+    """The token ids --quantize calibrates on (None: random ids, said on stderr); checked
+    before the model is loaded."""
+    if args.quantize is None:
+        if args.calibration is not None:
+            raise ValueError("--calibration is for --quantize")
+        return None
+    from diffulex_edge.calibration import calibration_ids
+
+    text = None
+    if args.calibration is not None:
+        path = Path(args.calibration)
+        if not path.is_file():
+            raise FileNotFoundError(f"--calibration {path}: no such file")
+        text = path.read_text(encoding="utf-8")
+    tokenizer = _tokenizer(args)
+    if tokenizer is None:
+        if text is not None:
+            raise ValueError("--calibration needs a tokenizer: pass --tokenizer")
+        print(
+            "no tokenizer: --quantize calibrates on random token ids (pass --tokenizer for text)",
+            file=sys.stderr,
+        )
+        return None
+    return calibration_ids(tokenizer, text)
+
+
 def cmd_export(args) -> None:
     from diffulex_edge.export import export_pte
 
+    calibration = _calibration(args)
     model = _model(args)
     defaults = AUTOREGRESSIVE_DEFAULTS if model.config.mask_token_id is None else DIFFUSION_DEFAULTS
     block_size = defaults["block_size"] if args.block_size is None else args.block_size
@@ -169,7 +197,15 @@ def cmd_export(args) -> None:
     if args.prefill_size is None and (args.variant == "cache_io" or block_size != 1):
         prefill = None  # the default only; an explicit --prefill-size is refused by export_pte
     result = export_pte(
-        model, args.output, max_seq, block_size, args.variant, args.quantize, prefill, progress=True
+        model,
+        args.output,
+        max_seq,
+        block_size,
+        args.variant,
+        args.quantize,
+        prefill,
+        progress=True,
+        calibration=calibration,
     )
     print(
         f"wrote {result.path} ({result.pte_bytes / 2**20:.2f} MiB, {result.variant}, "
@@ -289,6 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize", choices=QUANTIZATIONS, default=None, help="weights (default: fp32)"
+    )
+    p.add_argument(
+        "--calibration",
+        help="a UTF-8 text file that --quantize's int4 clipping is calibrated on (default: "
+        "the package's calibration text, encoded by the model's tokenizer; random token ids "
+        "where the model has no tokenizer)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="a Hugging Face model directory with a tokenizer.json, or a .gguf file, that "
+        "encodes the calibration text (default: MODEL_DIR's or --gguf's, when there is one)",
     )
     p.set_defaults(func=cmd_export)
 

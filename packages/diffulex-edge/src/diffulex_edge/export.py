@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from diffulex_edge.errors import DiffulexEdgeError
 from diffulex_edge.executorch_import import lowering
 from diffulex_edge.export_config import ExportConfig
 from diffulex_edge.files import umask_mode
@@ -203,14 +204,14 @@ _RUN_ONLY_MODULES = frozenset(
 def export_code_digest() -> str:
     """SHA-256 (hex) of what decides the program :func:`export_pte` writes for a given
     model and arguments, other than the model: the source of every module of this package
-    an export can run (all but the run-only ones), and the torch, ExecuTorch and torchao
-    versions. A cache of exported programs keyed by it (the test suite's, the demo's)
+    an export can run (all but the run-only ones), the calibration text, and the torch,
+    ExecuTorch and torchao versions. A cache of exported programs keyed by it (the test suite's, the demo's)
     stays valid across releases that change only how programs are run."""
     from importlib.metadata import PackageNotFoundError, version
 
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for path in sorted(here.glob("*.py")):
+    for path in [*sorted(here.glob("*.py")), here / "calibration.txt"]:
         if path.name not in _RUN_ONLY_MODULES:
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for package in ("torch", "executorch", "torchao"):
@@ -222,16 +223,50 @@ def export_code_digest() -> str:
 
 
 def quantize_8da4w(
-    model: SDARModel, group_size: int = 32, int8_layers: tuple[str, ...] = ()
+    model: SDARModel,
+    group_size: int = 32,
+    int8_layers: tuple[str, ...] = (),
+    calibration=None,
+    clip: bool = True,
+    int8_embedding: bool = True,
 ) -> SDARModel:
-    """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao).
+    """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao), each
+    int4 group clipped first to the range that rounds best on calibration text
+    (:mod:`diffulex_edge.calibration`); the embedding table int8, one scale per row
+    (:class:`~diffulex_edge.embedding.Int8Embedding`, which any ExecuTorch runtime runs).
 
-    ``int8_layers``: linear layers, named by the last part of their module name (e.g.
-    ``"down_proj"``, ``"lm_head"``), whose weights are int8 with one scale per output row
-    instead (8da8w, which XNNPACK also lowers): the ``8da4w-mixed`` quantization passes
-    :data:`MIXED_INT8_LAYERS`. Works in place on ``model`` (pass a copy to keep the float
-    one). Needs the ``quant`` extra.
+    Works in place on ``model`` (pass a copy to keep the float one). Needs the ``quant``
+    extra. Every argument is checked before the model changes.
+
+    Args:
+        model: the model to quantize.
+        group_size: inputs per int4 group (XNNPACK: a multiple of 32).
+        int8_layers: linear layers, named by the last part of their module name (e.g.
+            ``"down_proj"``, ``"lm_head"``), whose weights are int8 with one scale per
+            output row instead (8da8w, which XNNPACK also lowers): the ``8da4w-mixed``
+            quantization passes :data:`MIXED_INT8_LAYERS`.
+        calibration: token ids (1-D) of text in the model's vocabulary
+            (``diffulex_edge.calibration.calibration_ids(tokenizer)`` for the package's
+            text); None: ``random_ids`` of the vocabulary, which clip less well.
+        clip: False rounds each group min-max, with no calibration (before 0.11).
+        int8_embedding: False keeps the embedding table float (before 0.11).
+
+    Returns:
+        ``model``, quantized.
+
+    Raises:
+        ValueError: ``int8_layers`` naming no linear layer, or an int4 layer's
+            ``in_features`` not divisible by ``group_size``.
+        DiffulexEdgeError: calibration ids that are not 1-D integers in the vocabulary.
     """
+    from diffulex_edge.calibration import check_ids, clip_int4_layers, random_ids
+    from diffulex_edge.embedding import quantize_embedding
+
+    for flag, value in (("clip", clip), ("int8_embedding", int8_embedding)):
+        if not isinstance(value, bool):
+            raise DiffulexEdgeError(f"{flag} must be True or False, got {value!r}")
+    if not clip and calibration is not None:
+        raise DiffulexEdgeError("calibration ids are for clip=True; clip=False uses none")
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
 
@@ -256,6 +291,15 @@ def quantize_8da4w(
                 f"8da4w needs in_features divisible by group_size {group_size}; "
                 f"{fqn} has {module.in_features}"
             )
+    if clip:
+        vocab = model.config.vocab_size
+        ids = random_ids(vocab) if calibration is None else check_ids(calibration, vocab)
+        int4_layers = {
+            fqn: m
+            for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not int8(m, fqn)
+        }
+        clip_int4_layers(model, int4_layers, ids, group_size)
     if int8_layers:
         quantize_(
             model,
@@ -271,6 +315,8 @@ def quantize_8da4w(
         ),
         filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and not int8(m, fqn),
     )
+    if int8_embedding:
+        quantize_embedding(model)
     return model
 
 
@@ -348,6 +394,9 @@ def export_pte(
     quantize: str | None = None,
     prefill_size: int | None = None,
     progress: bool = False,
+    calibration=None,
+    clip: bool = True,
+    int8_embedding: bool = True,
 ) -> ExportResult:
     """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
     plus its integrity record ``<path>.json``, which :class:`PteEngine` verifies.
@@ -368,6 +417,12 @@ def export_pte(
             ``prefill``, with ``block_kv``; ``forward`` itself with ``static_kv`` (which then
             needs ``block_size`` 1). Not for ``cache_io``.
         progress: print a stage bar to stderr.
+        calibration: with ``quantize``, the token ids its int4 clipping is calibrated on
+            (:func:`quantize_8da4w`); None: random ids of the vocabulary.
+        clip: with ``quantize``, False rounds each int4 group min-max, uncalibrated (as
+            before 0.11).
+        int8_embedding: with ``quantize``, False keeps the embedding table float (as
+            before 0.11).
 
     Returns:
         :class:`ExportResult`: the program's path, variant, cache layout, quantization, size
@@ -375,17 +430,29 @@ def export_pte(
 
     Raises:
         DiffulexEdgeError: a bad ``variant``, ``quantize`` or ``prefill_size``, ``max_seq``
-            above ``max_position_embeddings``, or no ExecuTorch (it names the extra).
+            above ``max_position_embeddings``, no ExecuTorch (it names the extra), bad
+            calibration ids, or a quantization option without ``quantize``.
         ValueError: ``max_seq`` or ``block_size`` not a positive int, or ``max_seq`` not a
             whole number of blocks.
     """
     spec = ExportConfig(model.config, max_seq, block_size, variant, quantize, prefill_size)
+    if quantize is None and (calibration is not None or clip is not True or not int8_embedding):
+        raise DiffulexEdgeError(
+            "calibration, clip and int8_embedding are options of quantize: pass quantize="
+            f"{QUANTIZATIONS[0]!r} (or leave them out for fp32)"
+        )
     to_edge_transform_and_lower, XnnpackPartitioner = lowering()
     bar = StageProgress(5 if quantize else 4, enabled=progress)
     if quantize is not None:
         int8_layers = MIXED_INT8_LAYERS if quantize == "8da4w-mixed" else ()
         with bar.stage(f"quantize {quantize}"):
-            model = quantize_8da4w(copy.deepcopy(model), int8_layers=int8_layers)
+            model = quantize_8da4w(
+                copy.deepcopy(model),
+                int8_layers=int8_layers,
+                calibration=calibration,
+                clip=clip,
+                int8_embedding=int8_embedding,
+            )
     with bar.stage("torch.export"), torch.no_grad():
         programs, compile_config = _export_programs(model, spec)
     with bar.stage("lower to XNNPACK"):
