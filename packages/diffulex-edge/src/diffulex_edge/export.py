@@ -281,12 +281,11 @@ def quantize_8da4w(
         raise ValueError(
             f"int8_layers {unknown} name no linear layer; the model has {sorted(linear_names)}"
         )
-    for fqn, module in model.named_modules():
-        if (
-            isinstance(module, nn.Linear)
-            and not int8(module, fqn)
-            and module.in_features % group_size
-        ):
+    int4_layers = {
+        fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and not int8(m, fqn)
+    }
+    for fqn, module in int4_layers.items():
+        if module.in_features % group_size:
             raise ValueError(
                 f"8da4w needs in_features divisible by group_size {group_size}; "
                 f"{fqn} has {module.in_features}"
@@ -294,11 +293,6 @@ def quantize_8da4w(
     if clip:
         vocab = model.config.vocab_size
         ids = random_ids(vocab) if calibration is None else check_ids(calibration, vocab)
-        int4_layers = {
-            fqn: m
-            for fqn, m in model.named_modules()
-            if isinstance(m, nn.Linear) and not int8(m, fqn)
-        }
         clip_int4_layers(model, int4_layers, ids, group_size)
     if int8_layers:
         quantize_(
@@ -313,7 +307,7 @@ def quantize_8da4w(
         Int8DynamicActivationIntxWeightConfig(
             weight_dtype=torch.int4, weight_granularity=PerGroup(group_size)
         ),
-        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and not int8(m, fqn),
+        filter_fn=lambda m, fqn: fqn in int4_layers,
     )
     if int8_embedding:
         quantize_embedding(model)
