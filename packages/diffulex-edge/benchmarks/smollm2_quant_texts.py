@@ -2,10 +2,11 @@
 ``smollm2_quality.py``'s paragraph (145 tokens): the three texts of different kinds that
 moe-expert-cache's benchmarks use (prose, a chat transcript, Python source; written for
 membound or MIT source, read from ``packages/moe-expert-cache/benchmarks/texts.py``), up to
-1,000 tokens each. Each quantization three ways, side by side: as 0.10 did (min-max,
-float embedding: ``clip=False, int8_embedding=False``); as 0.11 does with a tokenizer (int4
-groups clipped on the package's calibration text, int8 embedding); as 0.11 does without one
-(clipped on random token ids). Eager model with
+1,000 tokens each. Each quantization four ways, side by side: as 0.10 did (min-max,
+float embedding: ``clip=False, int8_embedding=False``); as 0.11 did with a tokenizer (int4
+groups clipped on the package's calibration text and rounded to nearest, int8 embedding:
+``gptq=False``); as 0.12 does with a tokenizer (the clip's scales, GPTQ's codes); as 0.12
+does without one (clipped on random token ids, rounded to nearest). Eager model with
 the export's own quantizers (a program's static cache of 256 would not take a 1,000-token
 prefill); no timing.
 
@@ -52,7 +53,8 @@ def main() -> None:
     for scheme, int8 in (("8da4w", ()), ("8da4w-mixed", MIXED_INT8_LAYERS)):
         for way, options in (
             ("min-max (0.10)", {"clip": False, "int8_embedding": False}),
-            ("clipped, package text", {"calibration": text_ids}),
+            ("clipped, package text (0.11)", {"calibration": text_ids, "gptq": False}),
+            ("GPTQ, package text", {"calibration": text_ids}),
             ("clipped, random ids", {}),
         ):
             quantized = quantize_8da4w(copy.deepcopy(base), int8_layers=int8, **options)
@@ -73,7 +75,7 @@ def main() -> None:
         package="diffulex-edge",
         name="smollm2_quant_texts",
         title="SmolLM2-135M-Instruct: 8da4w and 8da4w-mixed perplexity / fp32 on three more "
-        "texts, min-max against calibrated clipping",
+        "texts, min-max against calibrated clipping and GPTQ",
         command=COMMAND,
         columns=["text", "tokens", "fp32 perplexity", *(f"{label} x fp32" for label in worst)],
         rows=rows,

@@ -123,6 +123,28 @@ def test_an_8da4w_mixed_pte_matches_its_eager_model(trained, tmp_path):
         assert ours == ref.tokens, prompt
 
 
+def test_a_gptq_8da4w_pte_matches_its_eager_model(trained, tmp_path):
+    """GPTQ's codes are written into torchao's int4 tensors after it quantizes: the
+    exported program must run those codes, not the ones torchao rounded."""
+    from diffulex_edge.calibration import random_ids
+    from diffulex_edge.runtime import PteEngine
+
+    ids = random_ids(trained.config.vocab_size, n=256)
+    result = export_pte(trained, tmp_path / "m.pte", 64, 4, "static_kv", "8da4w", calibration=ids)
+    engine = PteEngine(result.path, expected_config=trained.config)
+    eager = quantize_8da4w(copy.deepcopy(trained), calibration=ids)
+    nearest = quantize_8da4w(copy.deepcopy(trained), calibration=ids, gptq=False)
+    weight = "layers.0.mlp.up_proj.weight"
+    gptq_w = dict(eager.named_parameters())[weight].dequantize()
+    assert not torch.equal(gptq_w, dict(nearest.named_parameters())[weight].dequantize())
+    config = GenerationConfig(max_new_tokens=12)
+    c = trained.config
+    for prompt in sort_prompts(4, seed=3):
+        ours = engine.generate(prompt, config).tokens
+        ref = generate(EagerDynamic(eager, 4), prompt, config, c.mask_token_id, c.eos_token_id)
+        assert ours == ref.tokens, prompt
+
+
 def test_cli_generate_eager_and_pte(capsys, pte_paths):
     assert main(["generate", str(trained_checkpoint()), "--prompt", "97531864"]) == 0
     assert capsys.readouterr().out.strip() == "13456789"

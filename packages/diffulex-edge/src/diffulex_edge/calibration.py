@@ -13,7 +13,9 @@ alone (each channel's mean squared activation) for 8da4w-mixed on all three text
 8da4w on two (chat: 1.229x against 1.202x fp32's perplexity).
 
 A clipped group is still min-max to the quantizer: its largest |w| is the clip, so
-torchao's grid is the clipped one and the program is an ordinary 8da4w program.
+torchao's grid is the clipped one and the program is an ordinary 8da4w program. By default
+``quantize_8da4w`` keeps only the clip's scale and has GPTQ choose the codes
+(:mod:`diffulex_edge.gptq`); ``gptq=False`` rounds the clipped group to nearest, as here.
 
 The package's calibration text (``calibration.txt``, written for membound, and
 diffulex-edge's own MIT source) needs the model's tokenizer: :func:`calibration_ids`.
@@ -174,19 +176,19 @@ def int4_grid(groups: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clipped_weight(weight: torch.Tensor, covariance: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``weight`` (out, in) with each group of ``group_size`` inputs clipped to the ratio of
+def clip_limits(weight: torch.Tensor, covariance: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each int4 group's clipping limit: ``ratio * max|w|`` for the ratio of
     :data:`CLIP_RATIOS` whose int4 rounding changes the layer's output least on the
     calibration inputs: for a group's rounding error e, e^T C e, C the group's input
     covariance (:func:`group_covariances`).
 
     Args:
-        weight: a linear layer's weight, ``in`` divisible by ``group_size``.
-        covariance: (in // group_size, group_size, group_size) input covariances.
+        weight: (out, in) float, a linear layer's weight, ``in`` divisible by ``group_size``.
+        covariance: (in // group_size, group_size, group_size) float input covariances.
         group_size: inputs per int4 group.
 
     Returns:
-        A new (out, in) tensor, clipped (not rounded): torchao rounds it.
+        (out, in // group_size, 1) float32 limits: a group's scale is its limit / 7.5.
     """
     rows, cols = weight.shape
     groups = weight.float().reshape(rows, cols // group_size, group_size)
@@ -200,12 +202,40 @@ def clipped_weight(weight: torch.Tensor, covariance: torch.Tensor, group_size: i
         error = int4_grid(clipped, limit) - groups
         err = torch.einsum("rgi,gij,rgj->rg", error, covariance, error)[..., None]
         if best_err is None:
-            best_err, best = err, clipped
+            best_err, best = err, limit
         else:
             better = err < best_err
             best_err = torch.where(better, err, best_err)
-            best = torch.where(better, clipped, best)
-    return best.reshape(rows, cols).to(weight.dtype)
+            best = torch.where(better, limit, best)
+    return best
+
+
+@torch.no_grad()
+def clipped_weight(weight: torch.Tensor, covariance: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``weight`` (out, in) with each group of ``group_size`` inputs clipped to its
+    :func:`clip_limits` limit.
+
+    Args:
+        weight: a linear layer's weight, ``in`` divisible by ``group_size``.
+        covariance: (in // group_size, group_size, group_size) input covariances.
+        group_size: inputs per int4 group.
+
+    Returns:
+        A new (out, in) tensor, clipped (not rounded): torchao rounds it.
+    """
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // group_size, group_size)
+    limit = clip_limits(weight, covariance, group_size)
+    clipped = torch.maximum(torch.minimum(groups, limit), -limit)
+    return clipped.reshape(rows, cols).to(weight.dtype)
+
+
+def untie_weight(model: nn.Module, module: nn.Linear) -> None:
+    """Give ``module`` its own copy of the embedding table if it shares it (a tied
+    ``lm_head``), so that rounding it leaves the embedding's float weights alone."""
+    embed = getattr(model, "embed_tokens", None)
+    if embed is not None and module.weight is embed.weight:
+        module.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
 
 
 @torch.no_grad()
@@ -223,10 +253,8 @@ def clip_int4_layers(
         group_size: inputs per int4 group.
     """
     covariances = group_covariances(model, ids, layers, group_size)
-    embed = getattr(model, "embed_tokens", None)
     for name, module in layers.items():
-        if embed is not None and module.weight is embed.weight:
-            module.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+        untie_weight(model, module)
         module.weight.copy_(clipped_weight(module.weight, covariances[name], group_size))
 
 
@@ -236,7 +264,9 @@ __all__ = [
     "calibration_text",
     "check_ids",
     "clip_int4_layers",
+    "clip_limits",
     "clipped_weight",
     "group_covariances",
     "random_ids",
+    "untie_weight",
 ]

@@ -229,10 +229,12 @@ def quantize_8da4w(
     calibration=None,
     clip: bool = True,
     int8_embedding: bool = True,
+    gptq: bool | None = None,
 ) -> SDARModel:
     """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao), each
-    int4 group clipped first to the range that rounds best on calibration text
-    (:mod:`diffulex_edge.calibration`); the embedding table int8, one scale per row
+    int4 group's scale from the clipping range that rounds best on calibration text
+    (:mod:`diffulex_edge.calibration`) and, given text, its codes chosen by GPTQ on the same
+    text (:mod:`diffulex_edge.gptq`); the embedding table int8, one scale per row
     (:class:`~diffulex_edge.embedding.Int8Embedding`, which any ExecuTorch runtime runs).
 
     Works in place on ``model`` (pass a copy to keep the float one). Needs the ``quant``
@@ -247,9 +249,13 @@ def quantize_8da4w(
             quantization passes :data:`MIXED_INT8_LAYERS`.
         calibration: token ids (1-D) of text in the model's vocabulary
             (``diffulex_edge.calibration.calibration_ids(tokenizer)`` for the package's
-            text); None: ``random_ids`` of the vocabulary, which clip less well.
-        clip: False rounds each group min-max, with no calibration (before 0.11).
+            text); None: ``random_ids`` of the vocabulary, which calibrate less well.
+        clip: False rounds each group min-max to nearest, with no calibration (before
+            0.11).
         int8_embedding: False keeps the embedding table float (before 0.11).
+        gptq: whether GPTQ chooses the codes of the clipped groups, or they are rounded to
+            nearest (0.11). None: GPTQ when ``calibration`` is given; on random ids it
+            fit held-out text worse than rounding to nearest. True needs ``clip``.
 
     Returns:
         ``model``, quantized.
@@ -257,16 +263,23 @@ def quantize_8da4w(
     Raises:
         ValueError: ``int8_layers`` naming no linear layer, or an int4 layer's
             ``in_features`` not divisible by ``group_size``.
-        DiffulexEdgeError: calibration ids that are not 1-D integers in the vocabulary.
+        DiffulexEdgeError: calibration ids that are not 1-D integers in the vocabulary, a
+            flag that is not a bool (``gptq``: nor None), or calibration ids or
+            ``gptq=True`` with ``clip=False``.
     """
     from diffulex_edge.calibration import check_ids, clip_int4_layers, random_ids
     from diffulex_edge.embedding import quantize_embedding
+    from diffulex_edge.gptq import gptq_int4_layers, install_codes
 
     for flag, value in (("clip", clip), ("int8_embedding", int8_embedding)):
         if not isinstance(value, bool):
             raise DiffulexEdgeError(f"{flag} must be True or False, got {value!r}")
+    if gptq is not None and not isinstance(gptq, bool):
+        raise DiffulexEdgeError(f"gptq must be True, False or None, got {gptq!r}")
     if not clip and calibration is not None:
         raise DiffulexEdgeError("calibration ids are for clip=True; clip=False uses none")
+    if not clip and gptq:
+        raise DiffulexEdgeError("gptq=True rounds the clipped groups: it needs clip=True")
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
 
@@ -290,10 +303,14 @@ def quantize_8da4w(
                 f"8da4w needs in_features divisible by group_size {group_size}; "
                 f"{fqn} has {module.in_features}"
             )
+    codes = None
     if clip:
         vocab = model.config.vocab_size
         ids = random_ids(vocab) if calibration is None else check_ids(calibration, vocab)
-        clip_int4_layers(model, int4_layers, ids, group_size)
+        if gptq or (gptq is None and calibration is not None):
+            codes = gptq_int4_layers(model, int4_layers, ids, group_size)
+        else:
+            clip_int4_layers(model, int4_layers, ids, group_size)
     if int8_layers:
         quantize_(
             model,
@@ -309,6 +326,8 @@ def quantize_8da4w(
         ),
         filter_fn=lambda m, fqn: fqn in int4_layers,
     )
+    if codes is not None:
+        install_codes(model, codes)
     if int8_embedding:
         quantize_embedding(model)
     return model
@@ -391,6 +410,7 @@ def export_pte(
     calibration=None,
     clip: bool = True,
     int8_embedding: bool = True,
+    gptq: bool | None = None,
 ) -> ExportResult:
     """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
     plus its integrity record ``<path>.json``, which :class:`PteEngine` verifies.
@@ -417,6 +437,8 @@ def export_pte(
             before 0.11).
         int8_embedding: with ``quantize``, False keeps the embedding table float (as
             before 0.11).
+        gptq: with ``quantize``, whether GPTQ chooses the int4 codes (None: with
+            ``calibration``; :func:`quantize_8da4w`).
 
     Returns:
         :class:`ExportResult`: the program's path, variant, cache layout, quantization, size
@@ -430,9 +452,10 @@ def export_pte(
             whole number of blocks.
     """
     spec = ExportConfig(model.config, max_seq, block_size, variant, quantize, prefill_size)
-    if quantize is None and (calibration is not None or clip is not True or not int8_embedding):
+    changed = calibration is not None or gptq is not None
+    if quantize is None and (changed or clip is not True or int8_embedding is not True):
         raise DiffulexEdgeError(
-            "calibration, clip and int8_embedding are options of quantize: pass quantize="
+            "calibration, clip, int8_embedding and gptq are options of quantize: pass quantize="
             f"{QUANTIZATIONS[0]!r} (or leave them out for fp32)"
         )
     to_edge_transform_and_lower, XnnpackPartitioner = lowering()
@@ -446,6 +469,7 @@ def export_pte(
                 calibration=calibration,
                 clip=clip,
                 int8_embedding=int8_embedding,
+                gptq=gptq,
             )
     with bar.stage("torch.export"), torch.no_grad():
         programs, compile_config = _export_programs(model, spec)
