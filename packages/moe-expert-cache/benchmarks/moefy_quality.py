@@ -15,12 +15,9 @@ from mlx_lm.utils import load_model, load_tokenizer
 from smollm2_moe import smollm2_moe
 from texts import texts
 
-from membound_testing.moefy import BUILD_RECORD, MoefyConfig, load_dense
+from membound_testing.moefy import BUILD_RECORD, demo_config, load_dense
 
 TOP_KS = (2, 4, 8, 16)
-# The demo's build: a shared expert of the 256 neurons of largest mean mass, run by every
-# token, and 16 routed experts of 80, top-6 (a Qwen2-MoE).
-SHARED = MoefyConfig(shared_size=256, top_k=6)
 WINDOW = 512
 
 
@@ -67,13 +64,19 @@ def run(quick: bool = False) -> dict:
         set_top_k(model, k)
         results[k] = [perplexity(model, ids) for ids in held_out.values()]
         rows.append([f"MoE top-{k} of 16"] + [round(p, 3) for p in results[k]])
-    shared_path = smollm2_moe(SHARED)
+    demo = demo_config()
+    shared_path = smollm2_moe(demo)
     shared_record = json.loads((shared_path / BUILD_RECORD).read_text())
     model, _ = load_model(shared_path)
     shared = [perplexity(model, ids) for ids in held_out.values()]
     del model
+    size = (1536 - demo.shared_size) // demo.num_experts
     rows.append(
-        ["MoE shared 256 + top-6 of 16 x 80 (the demo's build)"] + [round(p, 3) for p in shared]
+        [
+            f"MoE shared {demo.shared_size} + top-{demo.top_k} of {demo.num_experts} x {size} "
+            "(the demo's build)"
+        ]
+        + [round(p, 3) for p in shared]
     )
     shared_recall = [layer["router_recall"] for layer in shared_record["layers"]]
     recall = [layer["router_recall"] for layer in record["layers"]]
@@ -87,7 +90,18 @@ def run(quick: bool = False) -> dict:
                 for kind, m, d in zip(held_out, results[16], dense_row, strict=True)
             ),
             "met": all(abs(m / d - 1) < 0.01 for m, d in zip(results[16], dense_row, strict=True)),
-        }
+        },
+        {
+            "target": "#57: the demo's build within 1.3x the dense model's perplexity on each "
+            "text, at most half the routed neurons per token",
+            "measured": ", ".join(
+                f"{kind} {m / d:.3f}x"
+                for kind, m, d in zip(held_out, shared, dense_row, strict=True)
+            )
+            + f" (top-{demo.top_k} of {demo.num_experts})",
+            "met": all(m / d <= 1.3 for m, d in zip(shared, dense_row, strict=True))
+            and demo.top_k <= demo.num_experts / 2,
+        },
     ]
     return write_result(
         "moefy",
@@ -98,16 +112,17 @@ def run(quick: bool = False) -> dict:
         f"Built by membound_testing.moefy from SmolLM2-135M-Instruct (float32): 30 layers x "
         f"{record['config']['num_experts']} experts x 96 neurons, balanced k-means on "
         f"neuron activation mass over {record['calibration_tokens']} calibration tokens "
-        "(membound_testing.moefy.calibration: prose and package source), ridge-fitted linear "
+        "(membound_testing.moefy.calibration: prose, package source and a chat transcript), ridge-fitted linear "
         f"routers. Router recall of the top-{built_k} experts by mass on the calibration "
         f"tokens: mean {np.mean(recall):.3f} (layers {min(recall):.3f}-{max(recall):.3f}); the "
         f"best {built_k} experts hold {np.mean(mass):.3f} of the activation mass on average. "
         f"Held-out texts: benchmarks/texts.py (prose, chat transcript, this package's "
         f"simulator.py + trace.py), teacher-forced in windows of {WINDOW} tokens. Top-k "
         "other than the built one: same checkpoint with down_proj rescaled by k / "
-        f"{built_k}. The shared build ({shared_path.name}): every token runs 256 neurons "
-        "plus 6 routed experts of 80 (736 of 1,536); router recall of its top-6 by mass on "
-        f"the calibration tokens: mean {np.mean(shared_recall):.3f} (layers "
+        f"{built_k}. The demo's build ({shared_path.name}, membound_testing.moefy.demo_config): "
+        f"every token runs the {demo.shared_size} shared neurons plus {demo.top_k} routed "
+        f"experts of {size} ({demo.shared_size + demo.top_k * size} of 1,536); router recall "
+        f"of its top-{demo.top_k} by mass on the calibration tokens: mean {np.mean(shared_recall):.3f} (layers "
         f"{min(shared_recall):.3f}-{max(shared_recall):.3f}). Deterministic, not timing.",
         quick=quick,
     )

@@ -7,10 +7,11 @@ calibration text alone or with tokens sampled from the dense model added.
 
 Routing is applied by masking each MLP's neuron activations in the transformers model: a
 chosen expert's neurons count with weight 1, as in moefy's checkpoints (their router softmax
-is uniform to ~1e-3 and down_proj carries the inverse weight). The row of the demo's layout
-reproduces ``moefy_quality``'s figures on the mlx-lm checkpoint (248, 86, 43 against 248, 85,
-43 on 2026-12-06). Deterministic
-(seeded sampling); not timing. ``--quick``: two layouts, 64 tokens per text.
+is uniform to ~1e-3 and down_proj carries the inverse weight). The row of 0.10's demo
+layout (shared 256 + top-6 of 16) reproduced ``moefy_quality``'s figures on the mlx-lm
+checkpoint (248, 86, 43 against 248, 85, 43 on 2026-12-06, 0.10's calibration). The last
+layout is the demo's build (``membound_testing.moefy.demo_config``). Deterministic (seeded
+sampling); not timing. ``--quick``: two layouts, 64 tokens per text.
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ from membound_testing.moefy.split import expert_shares, fit_router, group_neuron
 
 WINDOW = 512
 SAMPLED = 8192  # tokens sampled from the dense model: 16 sequences of 512
-# (experts, shared neurons, top-k): the demo's build, then finer experts at half the routed
-LAYOUTS = [(16, 256, 6), (16, 256, 8), (64, 256, 32), (128, 256, 64)]
+# (experts, shared neurons, top-k): the first demo build (0.10), finer experts at half the
+# routed, larger shared experts, and the demo's build (membound_testing.moefy.demo_config)
+LAYOUTS = [
+    (16, 256, 6),
+    (16, 256, 8),
+    (128, 256, 64),
+    (64, 1024, 32),
+    (128, 1024, 64),
+    (128, 1152, 48),
+]
 
 
 def mlp_inputs_and_activations(model, sequences: list[list[int]]):
@@ -147,7 +156,7 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
             add(name, "oracle" if oracle else "ridge", masked_perplexities(model, masks, held_out))
     extra = sampled_sequences(model, tokenizer, sampled)
     X2, A2 = mlp_inputs_and_activations(model, calibration + extra)
-    for experts, shared, top_k in dict.fromkeys((layouts[1], layouts[-1])):
+    for experts, shared, top_k in dict.fromkeys((layouts[1], layouts[-1])):  # demo's last
         masks = routed_masks(model, X2, A2, experts, shared, top_k, False)
         name = f"shared {shared} + top-{top_k} of {experts} x {(1536 - shared) // experts}"
         add(name, f"ridge, + {sampled} sampled tokens", masked_perplexities(model, masks, held_out))

@@ -82,13 +82,15 @@ def real_moe():
 
 @pytest.fixture(scope="session")
 def real_shared_moe():
-    """The MoEfied SmolLM2-135M with a shared expert of 256 neurons and 16 routed experts of
-    80, top-6 (a Qwen2-MoE), built once under membound's cache directory like ``real_moe``."""
+    """The demo's MoEfied SmolLM2-135M (``membound_testing.moefy.demo_config``: a Qwen2-MoE,
+    a shared expert of 1,152 neurons and 128 routed experts of 3, top-48), built once under
+    membound's cache directory like ``real_moe``."""
     from membound_testing.models import cache_dir, smollm2_float_dir
-    from membound_testing.moefy import MoefyConfig, moefy_cached
+    from membound_testing.moefy import demo_config, moefy_cached
 
-    config = MoefyConfig(shared_size=256, top_k=6)
-    return moefy_cached(smollm2_float_dir(), cache_dir(), config, progress=False, seal=seal_model)
+    return moefy_cached(
+        smollm2_float_dir(), cache_dir(), demo_config(), progress=False, seal=seal_model
+    )
 
 
 @pytest.fixture(scope="session")

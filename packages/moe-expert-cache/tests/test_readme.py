@@ -35,8 +35,8 @@ def workdir(tmp_path_factory, real_moe, real_shared_moe):
     assert suffix.startswith("-moe16-top4-"), real_moe.name
     (work / "moe-cache").mkdir()
     (work / "moe-cache" / f"smollm2-f32{suffix}").symlink_to(real_moe, target_is_directory=True)
-    suffix = real_shared_moe.name[len(smollm2_float_dir().name) :]  # -moe16-top6-shared256-<key>
-    assert suffix.startswith("-moe16-top6-shared256-"), real_shared_moe.name
+    suffix = real_shared_moe.name[len(smollm2_float_dir().name) :]  # -moe128-top48-shared1152-<key>
+    assert suffix.startswith("-moe128-top48-shared1152-"), real_shared_moe.name
     link = work / "moe-cache" / f"smollm2-f32{suffix}"
     link.symlink_to(real_shared_moe, target_is_directory=True)
     return work

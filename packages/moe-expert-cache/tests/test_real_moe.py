@@ -140,22 +140,23 @@ def test_moefy_refuses_bad_settings_and_leaves_nothing(tmp_path, real_moe):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_shared_expert_build_is_a_qwen2_moe_that_answers_in_words(real_shared_moe):
-    """Every token runs the 256 neurons of the largest mean mass; 6 of 16 experts of 80 are
-    routed (736 of 1,536 neurons). Asked the demo's question it answers a readable, wrong
-    sentence: "The capital of France is a font." (the Mixtral top-4 answers symbols)."""
+def test_the_demo_build_is_a_qwen2_moe_that_answers_right(real_shared_moe):
+    """Every token runs the 1,152 neurons of the largest mean mass; 48 of 128 experts of 3
+    are routed (1,296 of 1,536 neurons). Asked the demo's question, stock mlx-lm answers
+    "The capital of France is Paris." (the 0.10 build with a shared expert of 256 answered
+    "a font", the Mixtral top-4 answers symbols)."""
     cfg = json.loads((real_shared_moe / "config.json").read_text())
     assert cfg["model_type"] == "qwen2_moe"
     assert (cfg["num_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]) == (
-        16,
-        80,
-        6,
+        128,
+        3,
+        48,
     )
-    assert cfg["shared_expert_intermediate_size"] == 256
+    assert cfg["shared_expert_intermediate_size"] == 1152
     model, _ = load_model(real_shared_moe)
     tokens = generate(model, chat_ids(real_shared_moe), NEW_TOKENS).tokens
     text = load_tokenizer(real_shared_moe).decode(tokens, skip_special_tokens=True).strip()
-    assert text.startswith("The capital of France is"), text
+    assert text.startswith("The capital of France is Paris"), text
 
 
 @pytest.mark.parametrize("map_embeddings", [False, True])
@@ -172,7 +173,7 @@ def test_exact_mode_equals_stock_on_the_shared_expert_build(real_shared_moe, map
         max(float(np.abs(a - b).max()) for a, b in zip(logits, stock_logits, strict=True)) <= 1e-5
     )
     manager = cached.manager
-    expert_bytes = 3 * 80 * 576 * 4  # gate, up, down of 80 neurons, float32
+    expert_bytes = 3 * 3 * 576 * 4  # gate, up, down of 3 neurons, float32
     assert manager.layers[0].expert_nbytes == expert_bytes
-    assert manager.resident_expert_bytes() == 30 * 8 * expert_bytes
+    assert manager.resident_expert_bytes() == 30 * 64 * expert_bytes  # half of 128
     assert manager.total_metrics().misses > 0

@@ -1,6 +1,6 @@
-"""moe-expert-cache: SmolLM2-135M MoEfied into a shared expert of 256 neurons and 16 routed
-experts of 80 per layer (a real-weights Qwen2-MoE built by membound_testing.moefy, top-6),
-with half of its routed experts resident, exact mode.
+"""moe-expert-cache: SmolLM2-135M MoEfied into a shared expert of 1,152 neurons and 128
+routed experts of 3 per layer (a real-weights Qwen2-MoE built by membound_testing.moefy,
+top-48: ``demo_config``), with half of its routed experts resident, exact mode.
 
 The checkpoint is built once by the preparation step (``python -m
 membound_integration.prepare``) under ``$MEMBOUND_CACHE``; the row only finds it.
@@ -16,13 +16,12 @@ NEW_TOKENS = 24
 def moe_checkpoint() -> Path:
     """The MoE checkpoint, keyed by everything the build reads, sealed by the package."""
     from membound_testing.models import cache_dir, smollm2_float_dir
-    from membound_testing.moefy import MoefyConfig, moefy_cached
+    from membound_testing.moefy import demo_config, moefy_cached
     from moe_expert_cache import seal_model
 
-    # The shared expert carries the neurons nearly every token uses; the Mixtral build
-    # (shared_size=0) answers symbols at top-4 (moe-expert-cache README, Limits).
-    config = MoefyConfig(shared_size=256, top_k=6)
-    return moefy_cached(smollm2_float_dir(), cache_dir(), config, seal=seal_model)
+    # The shared expert carries the neurons nearly every token uses: with 256 of them the
+    # MoE answered "a font" (moe-expert-cache README, Limits).
+    return moefy_cached(smollm2_float_dir(), cache_dir(), demo_config(), seal=seal_model)
 
 
 def moe_expert_cache_row() -> Row:
@@ -49,7 +48,7 @@ def moe_expert_cache_row() -> Row:
     same = stock == result.tokens
     return Row(
         name=(
-            "SmolLM2-135M MoEfied (Qwen2-MoE, shared expert 256 + 16 experts x 80, top-6), "
+            "SmolLM2-135M MoEfied (Qwen2-MoE, shared expert 1152 + 128 experts x 3, top-48), "
             "50% of experts resident, exact"
         ),
         output=(

@@ -41,7 +41,7 @@ from membound_testing.moefy.build import (
     moefy_cached,
 )
 from membound_testing.moefy.calibration import calibration_text
-from membound_testing.moefy.config import MoefyConfig, MoefyError, dense_config
+from membound_testing.moefy.config import MoefyConfig, MoefyError, demo_config, dense_config
 
 __all__ = [
     "BUILD_RECORD",
@@ -49,6 +49,7 @@ __all__ = [
     "MoefyError",
     "build_key",
     "calibration_text",
+    "demo_config",
     "dense_config",
     "load_dense",
     "moefy",
