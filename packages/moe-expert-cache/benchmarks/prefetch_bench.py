@@ -75,15 +75,25 @@ def read_seconds(cached, reads: int) -> float:
     return statistics.median(times)
 
 
-def run(quick: bool = False, command: str = COMMAND) -> dict:
+def run(quick: bool = False, command: str = COMMAND, demo: bool = False) -> dict:
+    """``demo``: the demo's build (``membound_testing.moefy.demo_config``, top-48 of 128) at
+    50% and 75% (25%, 32 experts, cannot hold a token's 48), written as ``prefetch_demo``."""
     load_start = os.getloadavg()
     rounds, prompt_len, decode = (1, 16, 12) if quick else (3, 32, 64)
-    path = smollm2_moe()
+    capacities, name = CAPACITIES, "prefetch"
+    if demo:
+        from membound_testing.moefy import demo_config
+
+        path, capacities, name = smollm2_moe(demo_config()), (0.5, 0.75), "prefetch_demo"
+        if command == COMMAND:  # run as a script, not from run_all
+            command += " --demo"
+    else:
+        path = smollm2_moe()
     tokenizer = load_tokenizer(path)
     corpus = {kind: tokenizer.encode(texts()[kind])[: prompt_len + decode + 1] for kind in HELD_OUT}
     stock, _ = load_model(path)
     models = {STOCK: (stock, None)}
-    for cap in CAPACITIES:
+    for cap in capacities:
         for prefetch in (False, True):
             cm = load_cached_model(
                 path, ExpertCacheConfig(capacity_share=cap, mode="exact", prefetch=prefetch)
@@ -143,7 +153,7 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
         stock_tps = results[STOCK, kind]["tokens_per_s"]
         cpu = round(results[STOCK, kind]["cpu_per_wall"], 2)
         rows.append([kind, STOCK, "", "", "", "", "", "0", round(stock_tps, 2), 1.0, cpu, "yes"])
-        for cap in CAPACITIES:
+        for cap in capacities:
             for prefetch in (False, True):
                 name = variant_name(cap, prefetch)
                 s = results[name, kind]
@@ -184,9 +194,15 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
             "met": exact,
         }
     )
+    layout = (
+        "Qwen2-MoE, 30 MoE layers, a shared expert of 1,152 neurons and 128 routed experts of "
+        "3, top-48"
+        if demo
+        else "Mixtral, 30 MoE layers, 16 experts of 96 neurons, top-4"
+    )
     notes = (
-        f"Model: {path.name} (SmolLM2-135M-Instruct MoEfied, Mixtral, 30 MoE layers, 16 "
-        f"experts of 96 neurons, top-4, float32, expert size {expert_nbytes} B). Held-out "
+        f"Model: {path.name} (SmolLM2-135M-Instruct MoEfied, {layout}, float32, expert size "
+        f"{expert_nbytes} B). Held-out "
         f"texts of benchmarks/texts.py: {', '.join(HELD_OUT)} (LCP's constants are fitted on "
         f"prose in real_traces.py; here the default lcp policy with the design's constants "
         f"runs). Each variant keeps its cache across texts and rounds and is fed the same "
@@ -208,7 +224,7 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
         f"{load_end[0]:.2f} at the end (2 cores)."
     )
     result = write_result(
-        "prefetch",
+        name,
         "speculative prefetch on the real MoE (MoEfied SmolLM2): stall time per token",
         [
             "text",
@@ -242,11 +258,11 @@ def run(quick: bool = False, command: str = COMMAND) -> dict:
             for n in names
             for k in HELD_OUT
         }
-        write_json_atomic(RESULTS / "prefetch.json", result)
+        write_json_atomic(RESULTS / f"{name}.json", result)
     return result
 
 
 if __name__ == "__main__":
     import sys
 
-    run("--quick" in sys.argv)
+    run("--quick" in sys.argv, demo="--demo" in sys.argv)

@@ -20,9 +20,11 @@ def main() -> None:
     moefy_quality.run(quick)
     moefy_sweep.run(quick)
     real_traces.run(quick)
+    real_traces.run_demo(quick)
     simulator_bench.run(quick)
     decode_bench.run(quick)
     prefetch_bench.run(quick, command=COMMAND)
+    prefetch_bench.run(quick, command=COMMAND, demo=True)
     real_decode.run(quick, command=COMMAND)
     fuzz.run(100 if quick else 2000, quick=quick)
 
