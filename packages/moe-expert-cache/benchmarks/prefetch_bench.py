@@ -80,11 +80,11 @@ def run(quick: bool = False, command: str = COMMAND, demo: bool = False) -> dict
     50% and 75% (25%, 32 experts, cannot hold a token's 48), written as ``prefetch_demo``."""
     load_start = os.getloadavg()
     rounds, prompt_len, decode = (1, 16, 12) if quick else (3, 32, 64)
-    capacities, name = CAPACITIES, "prefetch"
+    capacities, result_name = CAPACITIES, "prefetch"
     if demo:
         from membound_testing.moefy import demo_config
 
-        path, capacities, name = smollm2_moe(demo_config()), (0.5, 0.75), "prefetch_demo"
+        path, capacities, result_name = smollm2_moe(demo_config()), (0.5, 0.75), "prefetch_demo"
         if command == COMMAND:  # run as a script, not from run_all
             command += " --demo"
     else:
@@ -224,7 +224,7 @@ def run(quick: bool = False, command: str = COMMAND, demo: bool = False) -> dict
         f"{load_end[0]:.2f} at the end (2 cores)."
     )
     result = write_result(
-        name,
+        result_name,
         "speculative prefetch on the real MoE (MoEfied SmolLM2): stall time per token",
         [
             "text",
@@ -258,7 +258,7 @@ def run(quick: bool = False, command: str = COMMAND, demo: bool = False) -> dict
             for n in names
             for k in HELD_OUT
         }
-        write_json_atomic(RESULTS / f"{name}.json", result)
+        write_json_atomic(RESULTS / f"{result_name}.json", result)
     return result
 
 
