@@ -70,7 +70,7 @@ def run(quick: bool = False) -> dict:
     model, _ = load_model(shared_path)
     shared = [perplexity(model, ids) for ids in held_out.values()]
     del model
-    size = (1536 - demo.shared_size) // demo.num_experts
+    size = json.loads((shared_path / "config.json").read_text())["moe_intermediate_size"]
     rows.append(
         [
             f"MoE shared {demo.shared_size} + top-{demo.top_k} of {demo.num_experts} x {size} "

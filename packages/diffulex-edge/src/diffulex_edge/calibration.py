@@ -122,6 +122,17 @@ def check_ids(ids, vocab_size: int) -> torch.Tensor:
     return ids.long()
 
 
+def causal_windows(model: nn.Module, ids: torch.Tensor):
+    """``ids`` as the model's arguments for causal forwards of ``WINDOW`` tokens (or the
+    model's ``max_position_embeddings``, if fewer): (ids (1, T), positions (1, T), no cache,
+    causal mask (1, T, T)) per window."""
+    window = min(WINDOW, model.config.max_position_embeddings)
+    for start in range(0, ids.numel(), window):
+        chunk = ids[start : start + window][None]
+        n = chunk.shape[1]
+        yield chunk, torch.arange(n)[None], None, torch.ones(n, n, dtype=torch.bool).tril()[None]
+
+
 @torch.no_grad()
 def group_covariances(
     model: nn.Module, ids: torch.Tensor, layers: dict[str, nn.Linear], group_size: int
@@ -152,14 +163,10 @@ def group_covariances(
 
         return hook
 
-    window = min(WINDOW, model.config.max_position_embeddings)
     hooks = [m.register_forward_pre_hook(record(name)) for name, m in layers.items()]
     try:
-        for start in range(0, ids.numel(), window):
-            chunk = ids[start : start + window][None]
-            n = chunk.shape[1]
-            causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
-            model(chunk, torch.arange(n)[None], None, causal)
+        for window in causal_windows(model, ids):
+            model(*window)
     finally:
         for hook in hooks:
             hook.remove()
@@ -262,6 +269,7 @@ __all__ = [
     "CLIP_RATIOS",
     "calibration_ids",
     "calibration_text",
+    "causal_windows",
     "check_ids",
     "clip_int4_layers",
     "clip_limits",

@@ -28,7 +28,7 @@ import contextlib
 import torch
 from torch import nn
 
-from diffulex_edge.calibration import INT4_LEVELS, WINDOW, clip_limits, untie_weight
+from diffulex_edge.calibration import INT4_LEVELS, causal_windows, clip_limits, untie_weight
 from diffulex_edge.errors import DiffulexEdgeError
 
 # Added to H's diagonal, times its mean. On SmolLM2, of 0.01 to 1, 0.05 and 0.1 fit best:
@@ -108,7 +108,6 @@ class _Captured(Exception):
 def _decoder_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[list, list[list]]:
     """The first decoder layer's hidden states per calibration window, and each layer's
     other arguments (RoPE tables, empty caches, mask) per window."""
-    window = min(WINDOW, model.config.max_position_embeddings)
     hidden, args = [], [[] for _ in model.layers]
 
     def capture(i):
@@ -123,12 +122,9 @@ def _decoder_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[list, list[lis
 
     hooks = [layer.register_forward_pre_hook(capture(i)) for i, layer in enumerate(model.layers)]
     try:
-        for start in range(0, ids.numel(), window):
-            chunk = ids[start : start + window][None]  # (1, T)
-            n = chunk.shape[1]
-            causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        for window in causal_windows(model, ids):
             with contextlib.suppress(_Captured):
-                model(chunk, torch.arange(n)[None], None, causal)
+                model(*window)
     finally:
         for hook in hooks:
             hook.remove()
