@@ -83,6 +83,47 @@ def hit_rate(layers, num_experts, capacity, policy, lcp=None) -> tuple[float, li
     return float(np.mean(hits)), hits
 
 
+def fit_lcp(layers, num_experts, capacities) -> tuple[float, float]:
+    """LCP's (decay, horizon) of the grid with the best mean hit rate at ``capacities``."""
+    return max(
+        itertools.product(DECAYS, HORIZONS),
+        key=lambda lcp: np.mean(
+            [
+                hit_rate(layers, num_experts, round(c * num_experts), "lcp", lcp)[0]
+                for c in capacities
+            ]
+        ),
+    )
+
+
+def policy_rates(layers, num_experts, count, fitted) -> dict[str, tuple[float, list[float]]]:
+    """Every policy's overall and per-layer hit rates at ``count`` experts."""
+    return {
+        p: hit_rate(layers, num_experts, count, p, fitted if p == "lcp_fit" else None)
+        for p in POLICIES
+    }
+
+
+def policy_targets(label: str, cells: list[dict], held: list[str]) -> list[dict]:
+    """The two targets of one capacity over the held-out texts' hit rates ``cells``."""
+    gap = max(c["belady"] - c["lcp_fit"] for c in cells)
+    return [
+        {
+            "target": f"{label}, held-out texts: fitted LCP >= LRU",
+            "measured": ", ".join(
+                f"{kind} {c['lcp_fit']:.4f} vs {c['lru']:.4f}"
+                for kind, c in zip(held, cells, strict=True)
+            ),
+            "met": all(c["lcp_fit"] >= c["lru"] for c in cells),
+        },
+        {
+            "target": f"{label}, held-out texts: fitted LCP within 0.05 of Belady",
+            "measured": f"largest gap {gap:.4f}",
+            "met": gap <= 0.05,
+        },
+    ]
+
+
 def run(quick: bool = False) -> dict:
     path = smollm2_moe()
     tokenizer = load_tokenizer(path)
@@ -103,19 +144,7 @@ def run(quick: bool = False) -> dict:
     # The package's own trace format round-trips the recorded choices.
     RouterTrace.from_requests(traces[4, "chat"], num_experts)
 
-    def score(lcp, top_k):
-        layers = traces[top_k, FIT_TEXT]
-        return np.mean(
-            [
-                hit_rate(layers, num_experts, round(c * num_experts), "lcp", lcp)[0]
-                for c in (0.25, 0.5)
-            ]
-        )
-
-    fitted = {}
-    for top_k in (4, 2):
-        grid = list(itertools.product(DECAYS, HORIZONS))
-        fitted[top_k] = max(grid, key=lambda lcp: score(lcp, top_k))
+    fitted = {top_k: fit_lcp(traces[top_k, FIT_TEXT], num_experts, (0.25, 0.5)) for top_k in (4, 2)}
     rows, per_layer, table = [], {}, {}
     for top_k in (4, 2):
         for kind in corpus:
@@ -125,12 +154,9 @@ def run(quick: bool = False) -> dict:
                 count = round(cap * num_experts)
                 if count < top_k:
                     continue
-                rates = {}
-                for policy in POLICIES:
-                    lcp = fitted[top_k] if policy == "lcp_fit" else None
-                    rates[policy], layers = hit_rate(
-                        traces[top_k, kind], num_experts, count, policy, lcp
-                    )
+                both = policy_rates(traces[top_k, kind], num_experts, count, fitted[top_k])
+                rates = {policy: rate for policy, (rate, _) in both.items()}
+                for policy, (_, layers) in both.items():
                     per_layer[f"top{top_k}/{kind}/{cap}/{policy}"] = [round(h, 4) for h in layers]
                 table[top_k, kind, cap] = rates
                 rows.append(
@@ -148,26 +174,8 @@ def run(quick: bool = False) -> dict:
             cells = [table[top_k, kind, cap] for kind in corpus if kind != FIT_TEXT]
             if not cells or any(c is None for c in cells):
                 continue
-            lru_ok = all(c["lcp_fit"] >= c["lru"] for c in cells)
-            gap = max(c["belady"] - c["lcp_fit"] for c in cells)
             held = [kind for kind in corpus if kind != FIT_TEXT]
-            targets.append(
-                {
-                    "target": f"top-{top_k}, {cap * 100:g}% capacity, held-out texts: fitted LCP >= LRU",
-                    "measured": ", ".join(
-                        f"{kind} {c['lcp_fit']:.4f} vs {c['lru']:.4f}"
-                        for kind, c in zip(held, cells, strict=True)
-                    ),
-                    "met": lru_ok,
-                }
-            )
-            targets.append(
-                {
-                    "target": f"top-{top_k}, {cap * 100:g}% capacity, held-out texts: fitted LCP within 0.05 of Belady",
-                    "measured": f"largest gap {gap:.4f}",
-                    "met": gap <= 0.05,
-                }
-            )
+            targets += policy_targets(f"top-{top_k}, {cap * 100:g}% capacity", cells, held)
     recall_note = "; ".join(
         f"top-{k} {kind}: mean {np.mean(r):.3f} (layers {min(r):.3f}-{max(r):.3f})"
         for (k, kind), r in recalls.items()
@@ -230,32 +238,14 @@ def run_demo(quick: bool = False) -> dict:
         recalls[kind] = [recall(g, a) for g, a in zip(guessed[1:], traces[kind][1:], strict=True)]
     del model
     capacities = (0.5, 0.75)
-    grid = list(itertools.product(DECAYS, HORIZONS))
-    fitted = max(
-        grid,
-        key=lambda lcp: np.mean(
-            [
-                hit_rate(traces[FIT_TEXT], num_experts, round(c * num_experts), "lcp", lcp)[0]
-                for c in capacities
-            ]
-        ),
-    )
+    fitted = fit_lcp(traces[FIT_TEXT], num_experts, capacities)
     held = [kind for kind in corpus if kind != FIT_TEXT]
     rows, table = [], {}
     for kind in held:
         for cap in capacities:
             count = round(cap * num_experts)
-            rates = {
-                policy: hit_rate(
-                    traces[kind],
-                    num_experts,
-                    count,
-                    policy,
-                    fitted if policy == "lcp_fit" else None,
-                )[0]
-                for policy in POLICIES
-            }
-            table[kind, cap] = rates
+            both = policy_rates(traces[kind], num_experts, count, fitted)
+            table[kind, cap] = rates = {policy: rate for policy, (rate, _) in both.items()}
             rows.append(
                 [f"top-{top_k}", kind, f"{cap * 100:g}% ({count})"]
                 + [round(rates[p], 4) for p in POLICIES]
@@ -263,23 +253,7 @@ def run_demo(quick: bool = False) -> dict:
     targets = []
     for cap in capacities:
         cells = [table[kind, cap] for kind in held]
-        gap = max(c["belady"] - c["lcp_fit"] for c in cells)
-        targets += [
-            {
-                "target": f"demo build, {cap * 100:g}% capacity, held-out texts: fitted LCP >= LRU",
-                "measured": ", ".join(
-                    f"{kind} {c['lcp_fit']:.4f} vs {c['lru']:.4f}"
-                    for kind, c in zip(held, cells, strict=True)
-                ),
-                "met": all(c["lcp_fit"] >= c["lru"] for c in cells),
-            },
-            {
-                "target": f"demo build, {cap * 100:g}% capacity, held-out texts: fitted LCP "
-                "within 0.05 of Belady",
-                "measured": f"largest gap {gap:.4f}",
-                "met": gap <= 0.05,
-            },
-        ]
+        targets += policy_targets(f"demo build, {cap * 100:g}% capacity", cells, held)
     recall_note = "; ".join(
         f"{kind}: mean {np.mean(r):.3f} (layers {min(r):.3f}-{max(r):.3f})"
         for kind, r in recalls.items()
