@@ -10,7 +10,8 @@ cache dropped first);
 the smallest limit at which the answer still says "Paris" is bisected. The programs come
 from the side-by-side benchmark's ``--keep`` directory, plus the quantized exports (or
 ``smollm2_quality.py --keep DIR``, which writes the four static_kv 8da4w programs, 0.11's and
-0.10's, under the names below):
+0.10's, under the names below, and ``optimum_int4.py DIR``, which exports optimum-executorch's
+int4 recipe):
 
     hatch run diffulex-edge-optimum:bench --keep DIR
     diffulex-edge export MODEL_DIR -o DIR/diffulex-static_kv-8da4w.pte --variant static_kv --quantize 8da4w
@@ -54,6 +55,8 @@ PROGRAMS = {  # row -> (child kind, file or directory under DIR; None = the mode
         "diffulex-static_kv-8da4w-mixed-0.10.pte",
     ),
     "optimum-executorch .pte": (KINDS[2], "optimum"),
+    # its int4 recipe (qlinear 8da4w, qembedding 8w): optimum_int4.py DIR
+    "optimum-executorch .pte 8da4w": (KINDS[2], "optimum-8da4w"),
     "eager transformers": (KINDS[3], None),
 }
 ANSWER = "Paris"
