@@ -1,9 +1,10 @@
-"""SmolLM2-135M-Instruct: the 8da4w and 8da4w-mixed static_kv .pte against the fp32 one, each
-quantization as 0.12 does it (int4 groups clipped on the package's calibration text and their
-codes chosen by GPTQ, as ``diffulex-edge export --quantize`` does with the model's
-tokenizer, and the embedding int8)
-and as 0.10 did (min-max, float embedding: ``clip=False, int8_embedding=False``), side by
-side in one run:
+"""SmolLM2-135M-Instruct: the 8da4w static_kv .pte against the fp32 one, as 0.13 quantizes
+it (layers already on a 4-bit grid, all of SmolLM2's Q4_1 linear layers, keep it; the tied
+lm_head clipped on the package's calibration text and its codes chosen by GPTQ, but for the
+twelfth of its rows likeliest on that text, which are int8; the embedding int8: what
+``diffulex-edge export --quantize 8da4w`` does with the model's tokenizer), as 0.12 did
+(every int4 layer clipped and GPTQ: ``grid=False, head_int8_share=0``) and as 0.10 did
+(min-max, float embedding: ``clip=False, int8_embedding=False``), side by side in one run:
 
 - file size;
 - perplexity on a held-out paragraph, through the program's own prefill method;
@@ -19,7 +20,7 @@ side in one run:
     python packages/diffulex-edge/benchmarks/smollm2_quality.py [--quick] [--keep DIR]
 
 The programs are exported once per export code (``export_code_digest``) under the membound
-cache (the fp32 one is the test suite's); an export takes two to three minutes on 2 cores.
+cache (the fp32 one is the test suite's); an 8da4w export of 0.13 takes about 16 minutes on 2 cores (0.12: 5 to 7).
 ``--quick`` scores the first 64 tokens, times one round and does not save the JSON.
 """
 
@@ -49,14 +50,22 @@ RESULTS = Path(__file__).parent / "results"
 COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quality.py"
 MAX_SEQ, PREFILL, NEW_TOKENS, ROUNDS = 256, 32, 32, 9
 QUESTION = "What is the capital of France?"
-# (label, quantize, clip): fp32, then each quantization as 0.12 and as 0.10 made it.
+# (label, quantize, version): fp32, then each quantization as 0.13, 0.12 and 0.10 made it.
 PROGRAMS = (
-    ("fp32", None, True),
-    ("8da4w", "8da4w", True),
-    ("8da4w min-max (0.10)", "8da4w", False),
-    ("8da4w-mixed", "8da4w-mixed", True),
-    ("8da4w-mixed min-max (0.10)", "8da4w-mixed", False),
+    ("fp32", None, "0.13"),
+    ("8da4w", "8da4w", "0.13"),
+    ("8da4w GPTQ (0.12)", "8da4w", "0.12"),
+    ("8da4w min-max (0.10)", "8da4w", "0.10"),
 )
+# 8da4w-mixed's programs were measured here until 0.12 (stop 67: README); an export of a
+# grid model takes 16 min, so 0.13's 8da4w-mixed is scored eager in smollm2_quant_texts.py.
+# quantize_8da4w's options for each version (0.13: the defaults, with the package's text).
+OPTIONS = {
+    "0.13": {},
+    "0.12": {"grid": False, "head_int8_share": 0},
+    "0.10": {"clip": False, "int8_embedding": False, "grid": False, "head_int8_share": 0},
+}
+SUFFIX = {"0.13": "", "0.12": "-0.12", "0.10": "-0.10"}  # --keep's file names
 # Held out: written for this benchmark, so it is in no training set.
 TEXT = (
     "The lighthouse keeper on the northern island kept a notebook of every ship that passed. "
@@ -70,17 +79,17 @@ TEXT = (
 )
 
 
-def pte_path(quantize: str | None, clip: bool) -> Path:
+def pte_path(quantize: str | None, version: str) -> Path:
     from membound_testing.models import cache_dir
 
-    kind = (quantize or "f32") + ("" if clip or quantize is None else "-minmax")
+    kind = (quantize or "f32") + ("" if quantize is None else SUFFIX[version])
     digest = export_code_digest()[:12]
     name = f"diffulex-edge-export-{digest}-smollm2-{kind}-{MAX_SEQ}-1-{PREFILL}-static_kv.pte"
     return cache_dir() / name
 
 
-def ensure_pte(model, quantize: str | None, clip: bool, calibration) -> Path:
-    path = pte_path(quantize, clip)
+def ensure_pte(model, quantize: str | None, version: str, calibration) -> Path:
+    path = pte_path(quantize, version)
     if not (path.is_file() and path.with_name(path.name + ".json").is_file()):
         path.parent.mkdir(parents=True, exist_ok=True)
         export_pte(
@@ -92,9 +101,7 @@ def ensure_pte(model, quantize: str | None, clip: bool, calibration) -> Path:
             quantize,
             prefill_size=PREFILL,
             progress=True,
-            calibration=calibration if quantize and clip else None,
-            clip=clip,
-            int8_embedding=clip,
+            **(eager_options(quantize, version, calibration) if quantize else {}),
         )
     return path
 
@@ -118,13 +125,20 @@ def perplexity(backend, ids: torch.Tensor) -> float:
     return math.exp(nll.item())
 
 
-def eager_model(base, quantize: str | None, clip: bool, calibration):
+def eager_options(quantize: str, version: str, calibration) -> dict:
+    """``quantize_8da4w``'s (and ``export_pte``'s) options for ``version``."""
+    options = dict(OPTIONS[version])
+    if options.get("clip", True):
+        options["calibration"] = calibration
+    return options
+
+
+def eager_model(base, quantize: str | None, version: str, calibration):
     if quantize is None:
         return base
     int8 = MIXED_INT8_LAYERS if quantize == "8da4w-mixed" else ()
-    ids = calibration if clip else None
     return quantize_8da4w(
-        copy.deepcopy(base), int8_layers=int8, calibration=ids, clip=clip, int8_embedding=clip
+        copy.deepcopy(base), int8_layers=int8, **eager_options(quantize, version, calibration)
     )
 
 
@@ -170,12 +184,12 @@ def main() -> None:
     prompt = tokenizer(chat_prompt(tokenizer, QUESTION), add_special_tokens=False)["input_ids"]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     engines, facts = {}, {}
-    for label, quantize, clip in PROGRAMS:
-        path = ensure_pte(base, quantize, clip, calibration)
+    for label, quantize, version in PROGRAMS:
+        path = ensure_pte(base, quantize, version, calibration)
         if args.keep is not None and quantize is not None:
-            keep(path, args.keep / f"diffulex-static_kv-{quantize}{'' if clip else '-0.10'}.pte")
+            keep(path, args.keep / f"diffulex-static_kv-{quantize}{SUFFIX[version]}.pte")
         engine = engines[label] = PteEngine(path)
-        eager = eager_model(base, quantize, clip, calibration)
+        eager = eager_model(base, quantize, version, calibration)
         eos = base.config.eos_token_id
         reference = generate_autoregressive(EagerDynamic(eager, 1), prompt, config, eos).tokens
         facts[label] = {
@@ -208,8 +222,8 @@ def main() -> None:
                 "Paris" in answer,
             ]
         )
-    for label in ("8da4w", "8da4w-mixed"):
-        fact, before = facts[label], facts[f"{label} min-max (0.10)"]
+    for label in ("8da4w", "8da4w GPTQ (0.12)"):
+        fact, before = facts[label], facts["8da4w min-max (0.10)"]
         size, ppl = fact["size"] / fp32["size"], fact["ppl"] / fp32["ppl"]
         targets += [
             {
@@ -237,8 +251,8 @@ def main() -> None:
         RESULTS,
         package="diffulex-edge",
         name="smollm2_8da4w",
-        title="SmolLM2-135M-Instruct .pte: calibrated 8da4w and 8da4w-mixed against fp32 and "
-        "0.10's min-max",
+        title="SmolLM2-135M-Instruct .pte: 0.13's 8da4w against fp32, 0.12's GPTQ and 0.10's "
+        "min-max 8da4w",
         command=COMMAND,
         columns=[
             "program",
@@ -258,12 +272,17 @@ def main() -> None:
         f"Decode: {NEW_TOKENS - 1} one-token forwards after the prompt, not stopped at the "
         "end of sequence; one thread (ExecuTorch's threadpool too), the programs in turn, "
         f"median of {ROUNDS}. 8da4w = int8 dynamic activations, int4 weights in "
-        "groups of 32 on every linear layer (torchao); 8da4w-mixed = the "
-        f"same, except {' and '.join(MIXED_INT8_LAYERS)}: int8 weights, one scale per row. "
+        "groups of 32 on every linear layer (torchao). "
+        "0.13: layers already on a 4-bit grid (SmolLM2's Q4_1 linear layers) keep it, "
+        "their groups' offsets an int8 product on the input's group sums "
+        "(diffulex_edge.grid); the other int4 layers (the tied lm_head, Q8_0 in the GGUF) as "
         f"0.12: each int4 group's scale clipped on the package's text ({calibration.numel()} "
         "tokens, diffulex_edge.calibration) and its codes chosen by GPTQ "
-        "(diffulex_edge.gptq), the embedding int8 per row; 0.10: min-max, "
-        "embedding fp32 (clip=False, int8_embedding=False). Block size 1.",
+        "(diffulex_edge.gptq), the embedding int8 per row; 0.12 (grid=False): every int4 "
+        "layer so; 0.10: min-max, embedding fp32 (clip=False, int8_embedding=False, "
+        "grid=False). 0.13 also keeps the twelfth of the tied lm_head's rows likeliest on the "
+        "calibration text int8 (diffulex_edge.split_head); 0.12 and 0.10 have "
+        "head_int8_share=0. Block size 1.",
         save=not args.quick,
     )
 

@@ -2,11 +2,14 @@
 ``smollm2_quality.py``'s paragraph (145 tokens): the three texts of different kinds that
 moe-expert-cache's benchmarks use (prose, a chat transcript, Python source; written for
 membound or MIT source, read from ``packages/moe-expert-cache/benchmarks/texts.py``), up to
-1,000 tokens each. Each quantization four ways, side by side: as 0.10 did (min-max,
+1,000 tokens each. Each quantization six ways, side by side: as 0.10 did (min-max,
 float embedding: ``clip=False, int8_embedding=False``); as 0.11 did with a tokenizer (int4
 groups clipped on the package's calibration text and rounded to nearest, int8 embedding:
-``gptq=False``); as 0.12 does with a tokenizer (the clip's scales, GPTQ's codes); as 0.12
-does without one (clipped on random token ids, rounded to nearest). Eager model with
+``gptq=False``); as 0.12 did with a tokenizer (the clip's scales, GPTQ's codes) and without
+one (clipped on random token ids, rounded to nearest), each ``grid=False,
+head_int8_share=0``; as 0.13 does with and without a tokenizer (layers already on a 4-bit
+grid, SmolLM2's Q4_1 linear layers, keep it; the tied lm_head as 0.12, but for the twelfth
+of its rows likeliest on the calibration ids, which are int8). Eager model with
 the export's own quantizers (a program's static cache of 256 would not take a 1,000-token
 prefill); no timing.
 
@@ -26,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 MOE_BENCHMARKS = HERE.parents[1] / "moe-expert-cache" / "benchmarks"
 COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quant_texts.py"
 MAX_TOKENS = 1000
+BEFORE_013 = {"grid": False, "head_int8_share": 0}  # quantize_8da4w as it was before 0.13
 sys.path.insert(0, str(HERE))
 
 from smollm2_quant_ablation import perplexity  # noqa: E402
@@ -52,10 +56,15 @@ def main() -> None:
     models = {"fp32": base}
     for scheme, int8 in (("8da4w", ()), ("8da4w-mixed", MIXED_INT8_LAYERS)):
         for way, options in (
-            ("min-max (0.10)", {"clip": False, "int8_embedding": False}),
-            ("clipped, package text (0.11)", {"calibration": text_ids, "gptq": False}),
-            ("GPTQ, package text", {"calibration": text_ids}),
-            ("clipped, random ids", {}),
+            ("min-max (0.10)", {"clip": False, "int8_embedding": False, **BEFORE_013}),
+            (
+                "clipped, package text (0.11)",
+                {"calibration": text_ids, "gptq": False, **BEFORE_013},
+            ),
+            ("GPTQ, package text (0.12)", {"calibration": text_ids, **BEFORE_013}),
+            ("clipped, random ids (0.12)", BEFORE_013),
+            ("grid + GPTQ, package text (0.13)", {"calibration": text_ids}),
+            ("grid + clipped, random ids (0.13)", {}),
         ):
             quantized = quantize_8da4w(copy.deepcopy(base), int8_layers=int8, **options)
             models[f"{scheme} {way}"] = quantized

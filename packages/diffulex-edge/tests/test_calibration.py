@@ -79,8 +79,12 @@ def test_torchao_rounds_each_clipped_group_on_the_searched_grid(int8_layers):
     for name, m in int4.items():
         groups = clipped_weight(m.weight, covariances[name], 32).reshape(m.out_features, -1, 32)
         expected[name] = int4_grid(groups, groups.abs().amax(-1, keepdim=True)).flatten(1)
-    quantized = quantize_8da4w(
-        copy.deepcopy(model), int8_layers=int8_layers, calibration=ids, gptq=False
+    quantized = quantize_8da4w(  # every int4 row int4: the split head is test_split_head's
+        copy.deepcopy(model),
+        int8_layers=int8_layers,
+        calibration=ids,
+        gptq=False,
+        head_int8_share=0,
     )
     changed = 0
     for name, want in expected.items():
@@ -153,7 +157,9 @@ def test_torchao_holds_exactly_the_gptq_codes(int8_layers):
     int4 = {n: m for n, m in linear.items() if n.rsplit(".", 1)[-1] not in int8_layers}
     expected = gptq_int4_layers(reference, int4, ids, 32)
     assert set(expected) == set(int4)
-    quantized = quantize_8da4w(copy.deepcopy(model), int8_layers=int8_layers, calibration=ids)
+    quantized = quantize_8da4w(
+        copy.deepcopy(model), int8_layers=int8_layers, calibration=ids, head_int8_share=0
+    )
     for name, (codes, scales) in expected.items():
         weight = quantized.get_submodule(name).weight
         want = codes.float() * scales.repeat_interleave(32, 1)
@@ -221,6 +227,10 @@ BAD = [
     (None, {"int8_embedding": 1}, "int8_embedding must be True or False"),
     (None, {"gptq": 1}, "gptq must be True, False or None"),
     (None, {"clip": False, "gptq": True}, "needs clip=True"),
+    (None, {"grid": 1}, "grid must be True or False"),
+    (None, {"head_int8_share": 1.0}, r"head_int8_share must be in \[0, 1\)"),
+    (None, {"head_int8_share": -0.1}, r"head_int8_share must be in \[0, 1\)"),
+    (None, {"head_int8_share": True}, r"head_int8_share must be in \[0, 1\)"),
 ]
 
 
@@ -291,6 +301,8 @@ def test_quantization_options_without_quantize_are_refused(tmp_path):
         {"clip": False},
         {"int8_embedding": False},
         {"gptq": False},
+        {"grid": False},
+        {"head_int8_share": 0},
     ):
         with pytest.raises(DiffulexEdgeError, match="options of quantize"):
             export_pte(model, tmp_path / "m.pte", 64, 4, "static_kv", **options)

@@ -43,6 +43,7 @@ from diffulex_edge.program_meta import QUANTIZATIONS as QUANTIZATIONS  # re-expo
 from diffulex_edge.program_meta import VARIANT_IDS
 from diffulex_edge.progress import StageProgress
 from diffulex_edge.pte_record import write_record
+from diffulex_edge.split_head import HEAD_INT8_SHARE
 
 # 8da4w-mixed: the linear layers whose weights stay int8 (one scale per row). On SmolLM2
 # they carry most of 8da4w's perplexity loss (benchmarks/smollm2_quant_ablation.py).
@@ -230,12 +231,20 @@ def quantize_8da4w(
     clip: bool = True,
     int8_embedding: bool = True,
     gptq: bool | None = None,
+    grid: bool = True,
+    head_int8_share: float = HEAD_INT8_SHARE,
 ) -> SDARModel:
     """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao), each
     int4 group's scale from the clipping range that rounds best on calibration text
     (:mod:`diffulex_edge.calibration`) and, given text, its codes chosen by GPTQ on the same
     text (:mod:`diffulex_edge.gptq`); the embedding table int8, one scale per row
     (:class:`~diffulex_edge.embedding.Int8Embedding`, which any ExecuTorch runtime runs).
+    An int4 layer whose weight already lies on a 4-bit grid of ``group_size`` inputs (a
+    GGUF's Q4_0 / Q4_1 tensors, a GPTQ or AWQ checkpoint, dequantized) keeps that grid
+    instead of being rounded again: its steps become the scales, and the groups' offsets
+    an int8 product on the input's group sums (:mod:`diffulex_edge.grid`). An int4
+    ``lm_head`` not on a grid keeps the rows of the tokens likeliest on the calibration
+    text in int8 (``head_int8_share`` of them; :mod:`diffulex_edge.split_head`).
 
     Works in place on ``model`` (pass a copy to keep the float one). Needs the ``quant``
     extra. Every argument is checked before the model changes.
@@ -256,6 +265,13 @@ def quantize_8da4w(
         gptq: whether GPTQ chooses the codes of the clipped groups, or they are rounded to
             nearest (0.11). None: GPTQ when ``calibration`` is given; on random ids it
             fit held-out text worse than rounding to nearest. True needs ``clip``.
+        grid: whether int4 layers already on a 4-bit grid keep it (0.13); False rounds
+            them like the others (before 0.13). ``clip``, ``calibration`` and ``gptq``
+            apply to the layers that are not on a grid.
+        head_int8_share: with ``clip``, the share of an int4 ``lm_head``'s rows (not on a
+            grid) that are int8 instead: those of the tokens the model, before it is
+            quantized, finds likeliest on the calibration ids (0.13, a twelfth by default);
+            0 keeps every row int4 (before 0.13).
 
     Returns:
         ``model``, quantized.
@@ -265,19 +281,27 @@ def quantize_8da4w(
             ``in_features`` not divisible by ``group_size``.
         DiffulexEdgeError: calibration ids that are not 1-D integers in the vocabulary, a
             flag that is not a bool (``gptq``: nor None), or calibration ids or
-            ``gptq=True`` with ``clip=False``.
+            ``gptq=True`` with ``clip=False``, a ``head_int8_share`` outside [0, 1).
     """
-    from diffulex_edge.calibration import check_ids, clip_int4_layers, random_ids
+    from diffulex_edge.calibration import check_ids, clip_int4_layers, random_ids, untie_weight
     from diffulex_edge.embedding import quantize_embedding
     from diffulex_edge.gptq import gptq_int4_layers, install_codes
+    from diffulex_edge.grid import attach_offsets, find_grid
+    from diffulex_edge.split_head import SplitHead, likely_rows, split_rows
 
-    for flag, value in (("clip", clip), ("int8_embedding", int8_embedding)):
+    for flag, value in (("clip", clip), ("int8_embedding", int8_embedding), ("grid", grid)):
         if not isinstance(value, bool):
             raise DiffulexEdgeError(f"{flag} must be True or False, got {value!r}")
     if gptq is not None and not isinstance(gptq, bool):
         raise DiffulexEdgeError(f"gptq must be True, False or None, got {gptq!r}")
     if not clip and calibration is not None:
         raise DiffulexEdgeError("calibration ids are for clip=True; clip=False uses none")
+    if (
+        isinstance(head_int8_share, bool)
+        or not isinstance(head_int8_share, (int, float))
+        or not 0 <= head_int8_share < 1
+    ):
+        raise DiffulexEdgeError(f"head_int8_share must be in [0, 1), got {head_int8_share!r}")
     if not clip and gptq:
         raise DiffulexEdgeError("gptq=True rounds the clipped groups: it needs clip=True")
     from torchao.quantization.granularity import PerAxis, PerGroup
@@ -303,14 +327,44 @@ def quantize_8da4w(
                 f"8da4w needs in_features divisible by group_size {group_size}; "
                 f"{fqn} has {module.in_features}"
             )
-    codes = None
+    grids = {}
+    if grid:
+        for fqn, module in int4_layers.items():
+            found = find_grid(module.weight, group_size)
+            if found is not None:
+                grids[fqn] = found
+    rounded = {fqn: m for fqn, m in int4_layers.items() if fqn not in grids}
+    codes = {}
+    head_rows = None
     if clip:
         vocab = model.config.vocab_size
         ids = random_ids(vocab) if calibration is None else check_ids(calibration, vocab)
-        if gptq or (gptq is None and calibration is not None):
-            codes = gptq_int4_layers(model, int4_layers, ids, group_size)
+        n_rows = split_rows(vocab, head_int8_share)
+        if n_rows and rounded.get("lm_head") is model.lm_head:
+            head_rows = likely_rows(model, ids, n_rows)
+        if not rounded:
+            pass
+        elif gptq or (gptq is None and calibration is not None):
+            codes = gptq_int4_layers(model, rounded, ids, group_size)
         else:
-            clip_int4_layers(model, int4_layers, ids, group_size)
+            clip_int4_layers(model, rounded, ids, group_size)
+    codes.update({fqn: (g.codes, g.scales) for fqn, g in grids.items()})
+    if head_rows is not None:  # lm_head -> lm_head.int8 (rows) + lm_head.int4 (the rest)
+        untie_weight(model, model.lm_head)
+        model.lm_head = SplitHead(model.lm_head, head_rows)
+        del int4_layers["lm_head"]
+        int4_layers["lm_head.int4"] = model.lm_head.int4
+        if "lm_head" in codes:
+            head_codes, head_scales = codes.pop("lm_head")
+            rest = model.lm_head.rest
+            codes["lm_head.int4"] = (head_codes[rest], head_scales[rest])
+        quantize_(
+            model.lm_head,
+            Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=torch.int8, weight_granularity=PerAxis(0)
+            ),
+            filter_fn=lambda m, fqn: fqn == "int8",
+        )
     if int8_layers:
         quantize_(
             model,
@@ -326,8 +380,10 @@ def quantize_8da4w(
         ),
         filter_fn=lambda m, fqn: fqn in int4_layers,
     )
-    if codes is not None:
+    if codes:
         install_codes(model, codes)
+    if grids:
+        attach_offsets(model, grids, group_size)
     if int8_embedding:
         quantize_embedding(model)
     return model
@@ -411,6 +467,8 @@ def export_pte(
     clip: bool = True,
     int8_embedding: bool = True,
     gptq: bool | None = None,
+    grid: bool = True,
+    head_int8_share: float = HEAD_INT8_SHARE,
 ) -> ExportResult:
     """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
     plus its integrity record ``<path>.json``, which :class:`PteEngine` verifies.
@@ -439,6 +497,10 @@ def export_pte(
             before 0.11).
         gptq: with ``quantize``, whether GPTQ chooses the int4 codes (None: with
             ``calibration``; :func:`quantize_8da4w`).
+        grid: with ``quantize``, whether layers already on a 4-bit grid keep it
+            (:func:`quantize_8da4w`; False: as before 0.13).
+        head_int8_share: with ``quantize``, the share of an int4 ``lm_head``'s rows that
+            are int8 (:func:`quantize_8da4w`; 0: as before 0.13).
 
     Returns:
         :class:`ExportResult`: the program's path, variant, cache layout, quantization, size
@@ -453,9 +515,17 @@ def export_pte(
     """
     spec = ExportConfig(model.config, max_seq, block_size, variant, quantize, prefill_size)
     changed = calibration is not None or gptq is not None
-    if quantize is None and (changed or clip is not True or int8_embedding is not True):
+    defaults = (
+        clip is True
+        and int8_embedding is True
+        and grid is True
+        and head_int8_share == HEAD_INT8_SHARE
+    )
+    if quantize is None and (changed or not defaults):
         raise DiffulexEdgeError(
-            "calibration, clip, int8_embedding and gptq are options of quantize: pass quantize="
+            "calibration, clip, int8_embedding, gptq, grid and head_int8_share are options of "
+            "quantize: pass "
+            "quantize="
             f"{QUANTIZATIONS[0]!r} (or leave them out for fp32)"
         )
     to_edge_transform_and_lower, XnnpackPartitioner = lowering()
@@ -470,6 +540,8 @@ def export_pte(
                 clip=clip,
                 int8_embedding=int8_embedding,
                 gptq=gptq,
+                grid=grid,
+                head_int8_share=head_int8_share,
             )
     with bar.stage("torch.export"), torch.no_grad():
         programs, compile_config = _export_programs(model, spec)
