@@ -265,6 +265,7 @@ def test_the_package_text_and_a_users_own():
         (["--calibration", "{tmp}/text.txt"], "--calibration is for --quantize"),
         (["--quantize", "8da4w", "--calibration", "{tmp}/none.txt"], "no such file"),
         (["--quantize", "8da4w", "--calibration", "{tmp}/text.txt"], "needs a tokenizer"),
+        (["--no-grid"], "--no-grid is for --quantize"),
     ],
 )
 def test_cli_calibration_errors_come_before_any_work(extra, message, tmp_path, capsys):
@@ -307,3 +308,20 @@ def test_quantization_options_without_quantize_are_refused(tmp_path):
         with pytest.raises(DiffulexEdgeError, match="options of quantize"):
             export_pte(model, tmp_path / "m.pte", 64, 4, "static_kv", **options)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("extra", "grid"), [([], None), (["--no-grid"], False)])
+def test_cli_no_grid_reaches_the_export(extra, grid, tmp_path, monkeypatch, capsys):
+    import diffulex_edge.export as export_module
+
+    seen = {}
+
+    def export_pte(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped before exporting")
+
+    monkeypatch.setattr(export_module, "export_pte", export_pte)
+    argv = ["export", "--tiny", "-o", str(tmp_path / "m.pte"), "--quantize", "8da4w", *extra]
+    assert main(argv) == 2
+    assert "stopped before exporting" in capsys.readouterr().err
+    assert seen.get("grid") == grid

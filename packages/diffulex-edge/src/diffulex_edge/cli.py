@@ -188,6 +188,8 @@ def _calibration(args):
 def cmd_export(args) -> None:
     from diffulex_edge.export import export_pte
 
+    if args.no_grid and args.quantize is None:
+        raise ValueError("--no-grid is for --quantize")
     calibration = _calibration(args)
     model = _model(args)
     defaults = AUTOREGRESSIVE_DEFAULTS if model.config.mask_token_id is None else DIFFUSION_DEFAULTS
@@ -206,6 +208,7 @@ def cmd_export(args) -> None:
         prefill,
         progress=True,
         calibration=calibration,
+        **({"grid": False} if args.no_grid else {}),
     )
     print(
         f"wrote {result.path} ({result.pte_bytes / 2**20:.2f} MiB, {result.variant}, "
@@ -336,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         help="a Hugging Face model directory with a tokenizer.json, or a .gguf file, that "
         "encodes the calibration text (default: MODEL_DIR's or --gguf's, when there is one)",
+    )
+    p.add_argument(
+        "--no-grid",
+        action="store_true",
+        help="with --quantize, round int4 layers already on a 4-bit grid (a GGUF's Q4_0/Q4_1) "
+        "again instead of keeping their grid: a smaller, faster program that scores worse "
+        "(SmolLM2: the README's quantization table)",
     )
     p.set_defaults(func=cmd_export)
 
