@@ -307,6 +307,10 @@ def quantize_8da4w(
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, quantize_
 
+    int8_rows = Int8DynamicActivationIntxWeightConfig(  # 8da8w, one scale per row
+        weight_dtype=torch.int8, weight_granularity=PerAxis(0)
+    )
+
     def int8(module, fqn: str) -> bool:
         return isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] in int8_layers
 
@@ -342,11 +346,9 @@ def quantize_8da4w(
         n_rows = split_rows(vocab, head_int8_share)
         if n_rows and rounded.get("lm_head") is model.lm_head:
             head_rows = likely_rows(model, ids, n_rows)
-        if not rounded:
-            pass
-        elif gptq or (gptq is None and calibration is not None):
+        if rounded and (gptq or (gptq is None and calibration is not None)):
             codes = gptq_int4_layers(model, rounded, ids, group_size)
-        else:
+        elif rounded:
             clip_int4_layers(model, rounded, ids, group_size)
     codes.update({fqn: (g.codes, g.scales) for fqn, g in grids.items()})
     if head_rows is not None:  # lm_head -> lm_head.int8 (rows) + lm_head.int4 (the rest)
@@ -358,21 +360,9 @@ def quantize_8da4w(
             head_codes, head_scales = codes.pop("lm_head")
             rest = model.lm_head.rest
             codes["lm_head.int4"] = (head_codes[rest], head_scales[rest])
-        quantize_(
-            model.lm_head,
-            Int8DynamicActivationIntxWeightConfig(
-                weight_dtype=torch.int8, weight_granularity=PerAxis(0)
-            ),
-            filter_fn=lambda m, fqn: fqn == "int8",
-        )
+        quantize_(model.lm_head, int8_rows, filter_fn=lambda m, fqn: fqn == "int8")
     if int8_layers:
-        quantize_(
-            model,
-            Int8DynamicActivationIntxWeightConfig(
-                weight_dtype=torch.int8, weight_granularity=PerAxis(0)
-            ),
-            filter_fn=int8,
-        )
+        quantize_(model, int8_rows, filter_fn=int8)
     quantize_(
         model,
         Int8DynamicActivationIntxWeightConfig(
@@ -524,9 +514,7 @@ def export_pte(
     if quantize is None and (changed or not defaults):
         raise DiffulexEdgeError(
             "calibration, clip, int8_embedding, gptq, grid and head_int8_share are options of "
-            "quantize: pass "
-            "quantize="
-            f"{QUANTIZATIONS[0]!r} (or leave them out for fp32)"
+            f"quantize: pass quantize={QUANTIZATIONS[0]!r} (or leave them out for fp32)"
         )
     to_edge_transform_and_lower, XnnpackPartitioner = lowering()
     bar = StageProgress(5 if quantize else 4, enabled=progress)

@@ -168,10 +168,10 @@ def attach_offsets(model: nn.Module, grids: dict[str, Grid], group_size: int) ->
         ),
     )
     for width, layer in sums.items():  # torchao's int8 grid puts 1 at 127 / 127.5: exact it
-        weight = layer.weight
-        weight.qdata.copy_(group_sum_linear(width, group_size).weight.to(torch.int8))
+        ones, weight = group_sum_linear(width, group_size).weight, layer.weight
+        weight.qdata.copy_(ones.to(torch.int8))
         weight.scale.fill_(1.0)
-        if not torch.equal(weight.dequantize(), group_sum_linear(width, group_size).weight):
+        if not torch.equal(weight.dequantize(), ones):
             raise DiffulexEdgeError("torchao's int8 weight does not hold the group sums' 0/1")
     wrapped = {
         fqn: GroupOffsetLinear(model.get_submodule(fqn), sums[grids[fqn].codes.shape[1]], offset)
