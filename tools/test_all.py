@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,10 @@ ALONE = {"budget-runner"}
 BUDGET_TESTS = "tests-integration/tests/test_budget.py"
 # Steps that may run beside those: they map no model and measure no memory or time.
 QUIET = {"memcheck"}
+# Free space the suite needs under the temporary directory: a CI run on 2026-12-06 failed
+# midway with "No space left on device" once the disk held about 1 GiB free (the wheel checks'
+# venvs are 1.0-1.3 GiB each, pytest keeps its last three runs' temporary directories).
+MIN_FREE_GIB = 20
 # Seconds each step took in the last solo CI run (2-core machine): the scheduling order only.
 SECONDS = {
     "release:diffulex-edge": 995,
@@ -71,7 +76,11 @@ def _counts(junit: Path | None) -> tuple[int, int, int]:
     """(passed, failed, skipped) from a pytest JUnit XML file."""
     if junit is None or not junit.is_file():
         return 0, 0, 0
-    root = ET.parse(junit).getroot()
+    try:
+        root = ET.parse(junit).getroot()
+    except ET.ParseError as error:  # a step killed while writing it (a full disk, a signal)
+        print(f"unreadable JUnit file {junit}: {error}; the step counts as failed", flush=True)
+        return 0, 0, 0
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = failed = skipped = 0
     for s in suites:
@@ -122,6 +131,20 @@ def _start(name: str, command: list[str], env: str | None, tmp: Path, jobs: int)
         if out is not None:
             out.close()  # the child holds its own descriptor
     return process, env, junit, path, time.perf_counter()
+
+
+def _free_space_error(minimum_gib: float) -> str | None:
+    """Why the suite cannot run here, if the temporary directory's disk has less than
+    `minimum_gib` free: the wheel checks build a 1.3 GiB venv each and the tests write model
+    copies, and a disk that fills midway fails tests far from the cause."""
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    if free >= minimum_gib:
+        return None
+    return (
+        f"only {free:.1f} GiB free under {tempfile.gettempdir()}; the suite needs at least "
+        f"{minimum_gib:g} GiB (leftover release-* venvs and pytest-of-* directories there are "
+        "safe to delete once no test runs)"
+    )
 
 
 def _may_start(name: str, env: str | None, running: dict[str, tuple], jobs: int) -> bool:
@@ -180,6 +203,10 @@ def main() -> int:
         steps = [s for s in steps if s[0] not in PACKAGES]
 
     jobs = max(1, args.jobs)
+    error = _free_space_error(MIN_FREE_GIB)
+    if error is not None:
+        print(f"test-all: not run: {error}", file=sys.stderr)
+        return 1
     # Longest first (list scheduling): the order only, from the last solo CI run's seconds.
     steps.sort(key=lambda s: (s[0] not in ALONE, -SECONDS.get(s[0], 0)))
     results = []
