@@ -116,6 +116,10 @@ def _start(name: str, command: list[str], env: str | None, tmp: Path, jobs: int)
     print(f"\n===== {name}: {shown} =====", flush=True)
     path = tmp / f"{name.replace(':', '-')}.log" if jobs > 1 else None
     environ = dict(os.environ)
+    # pytest keeps its last three sessions' temporary directories, model copies included
+    # (11 GiB of them had piled up under /tmp when a CI run filled the disk): keep only
+    # those of failed tests.
+    environ.setdefault("PYTEST_ADDOPTS", "-o tmp_path_retention_policy=failed")
     if jobs > 1:
         environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     out = open(path, "wb") if path is not None else None  # noqa: SIM115 (closed by the child's end)

@@ -43,3 +43,19 @@ def test_too_little_free_space_stops_the_suite_before_any_step(test_all, monkeyp
     assert test_all.main() == 1
     assert started == []
     assert "test-all: not run: only" in capsys.readouterr().err
+
+
+def test_steps_keep_only_failed_tests_temporary_directories(test_all, monkeypatch, tmp_path):
+    seen = {}
+
+    class Popen:
+        def __init__(self, command, cwd, env, stdout, stderr):
+            seen.update(env)
+
+    monkeypatch.setattr(test_all.subprocess, "Popen", Popen)
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    test_all._start("integration", ["pytest"], "default", tmp_path, 1)
+    assert seen["PYTEST_ADDOPTS"] == "-o tmp_path_retention_policy=failed"
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-x")  # a developer's own options win
+    test_all._start("integration", ["pytest"], "default", tmp_path, 1)
+    assert seen["PYTEST_ADDOPTS"] == "-x"
