@@ -43,7 +43,7 @@ from diffulex_edge import (
     load_checkpoint,
 )
 from diffulex_edge.calibration import calibration_ids
-from diffulex_edge.export import MIXED_INT8_LAYERS, export_code_digest, quantize_8da4w
+from diffulex_edge.export import export_code_digest, quantize_8da4w
 from diffulex_edge.generate import GenerationConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -101,7 +101,7 @@ def ensure_pte(model, quantize: str | None, version: str, calibration) -> Path:
             quantize,
             prefill_size=PREFILL,
             progress=True,
-            **(eager_options(quantize, version, calibration) if quantize else {}),
+            **(eager_options(version, calibration) if quantize else {}),
         )
     return path
 
@@ -125,7 +125,7 @@ def perplexity(backend, ids: torch.Tensor) -> float:
     return math.exp(nll.item())
 
 
-def eager_options(quantize: str, version: str, calibration) -> dict:
+def eager_options(version: str, calibration) -> dict:
     """``quantize_8da4w``'s (and ``export_pte``'s) options for ``version``."""
     options = dict(OPTIONS[version])
     if options.get("clip", True):
@@ -136,10 +136,7 @@ def eager_options(quantize: str, version: str, calibration) -> dict:
 def eager_model(base, quantize: str | None, version: str, calibration):
     if quantize is None:
         return base
-    int8 = MIXED_INT8_LAYERS if quantize == "8da4w-mixed" else ()
-    return quantize_8da4w(
-        copy.deepcopy(base), int8_layers=int8, **eager_options(quantize, version, calibration)
-    )
+    return quantize_8da4w(copy.deepcopy(base), **eager_options(version, calibration))
 
 
 def decode_seconds(engine, prompt: list[int]) -> float:
