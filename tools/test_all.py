@@ -139,8 +139,7 @@ def _start(name: str, command: list[str], env: str | None, tmp: Path, jobs: int)
 
 def _free_space_error(minimum_gib: float) -> str | None:
     """Why the suite cannot run here, if the temporary directory's disk has less than
-    `minimum_gib` free: the wheel checks build a 1.3 GiB venv each and the tests write model
-    copies, and a disk that fills midway fails tests far from the cause."""
+    `minimum_gib` free (see MIN_FREE_GIB)."""
     free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
     if free >= minimum_gib:
         return None

@@ -35,8 +35,9 @@ PROGRAMS = {  # row -> file under DIR (smollm2_quality.py --keep DIR)
     "8da4w (0.10)": "diffulex-static_kv-8da4w-0.10.pte",
 }
 WARMUP = 8
-# ETDump's own events around the operators: not operators.
-FRAMEWORK = {"Program::load_method", "Method::init", "Method::execute", "OPERATOR_CALL"}
+# Kept whole: the method's and the delegate calls' time. ETDump's OPERATOR_CALL wraps each
+# operator outside the delegates, which has its own event, so it is left out.
+TOTALS = ("Method::execute", "DELEGATE_CALL")
 
 
 def _kind(name: str) -> str:
@@ -79,13 +80,11 @@ def child(path: str, steps: int) -> dict:
     for block in inspector.event_blocks:
         for event in block.events:
             raw = event.perf_data.raw if event.perf_data is not None else []
-            if len(raw) != steps:  # load and init run once
+            name = event.name
+            if len(raw) != steps or name == "OPERATOR_CALL":  # load and init run once
                 continue
             ms = statistics.median(raw[WARMUP:])
-            name = event.name
-            key = name if name in ("Method::execute", "DELEGATE_CALL") else _kind(name)
-            if name in FRAMEWORK - {"Method::execute"}:
-                continue
+            key = name if name in TOTALS else _kind(name)
             per_kind[key] = per_kind.get(key, 0.0) + ms
             counts[key] = counts.get(key, 0) + 1
             if "index_select" in name:
