@@ -14,6 +14,7 @@ from random_sdar import random_model
 from diffulex_edge.calibration import (
     CLIP_RATIOS,
     INT4_LEVELS,
+    bfloat16_scales,
     calibration_ids,
     calibration_text,
     clip_limits,
@@ -38,6 +39,18 @@ def output_error(weight, covariance, rounded):
 def min_max(weight):
     groups = weight.reshape(weight.shape[0], -1, 32)
     return int4_grid(groups, groups.abs().amax(-1, keepdim=True)).reshape(weight.shape)
+
+
+def program_grid(groups, limit):
+    """int4_grid's codes times their scale rounded to bfloat16: what the program (XNNPACK
+    stores int4 scales so) and, since 0.14, the eager model multiply by."""
+    scale = (limit / INT4_LEVELS).clamp(min=torch.finfo(groups.dtype).tiny)
+    return torch.clamp(torch.round(groups * (1.0 / scale)), -8, 7) * bfloat16_scales(scale)
+
+
+def program_min_max(weight):
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    return program_grid(groups, groups.abs().amax(-1, keepdim=True)).reshape(weight.shape)
 
 
 def test_the_search_never_rounds_a_group_worse_than_min_max():
@@ -65,8 +78,8 @@ def test_the_search_never_rounds_a_group_worse_than_min_max():
 @pytest.mark.parametrize("int8_layers", [(), MIXED_INT8_LAYERS])
 def test_torchao_rounds_each_clipped_group_on_the_searched_grid(int8_layers):
     """Without GPTQ the program is an ordinary 8da4w one: each int4 weight torchao holds
-    dequantizes to int4_grid of the clipped weight, exactly; the int8 layers are not
-    clipped."""
+    dequantizes to int4_grid's codes of the clipped weight times their scales in bfloat16
+    (as the program holds them), exactly; the int8 layers are not clipped."""
     model = random_model(tiny_config(), seed=1)
     ids = random_ids(model.config.vocab_size, 96, seed=3)
     int4 = {
@@ -78,7 +91,7 @@ def test_torchao_rounds_each_clipped_group_on_the_searched_grid(int8_layers):
     expected = {}
     for name, m in int4.items():
         groups = clipped_weight(m.weight, covariances[name], 32).reshape(m.out_features, -1, 32)
-        expected[name] = int4_grid(groups, groups.abs().amax(-1, keepdim=True)).flatten(1)
+        expected[name] = program_grid(groups, groups.abs().amax(-1, keepdim=True)).flatten(1)
     quantized = quantize_8da4w(  # every int4 row int4: the split head is test_split_head's
         copy.deepcopy(model),
         int8_layers=int8_layers,
@@ -90,7 +103,7 @@ def test_torchao_rounds_each_clipped_group_on_the_searched_grid(int8_layers):
     for name, want in expected.items():
         got = quantized.get_submodule(name).weight.dequantize()
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
-        changed += not torch.equal(want, min_max(model.get_submodule(name).weight.detach()))
+        changed += not torch.equal(want, program_min_max(model.get_submodule(name).weight.detach()))
     assert changed == len(expected)  # the search moved some group of every layer
     # The tied embedding is int8 per row, not int4: within half a step of its float rows.
     table = model.embed_tokens.weight
@@ -148,7 +161,8 @@ def test_gptq_changes_each_layers_output_less_than_clipping_alone(seed):
 @pytest.mark.parametrize("int8_layers", [(), MIXED_INT8_LAYERS])
 def test_torchao_holds_exactly_the_gptq_codes(int8_layers):
     """By default each int4 weight torchao holds (and the program runs) dequantizes to
-    GPTQ's codes times its groups' scales, exactly, which torchao would not round the same
+    GPTQ's codes times its groups' scales (bfloat16, as XNNPACK stores them: GPTQ chooses
+    the codes on those), exactly, which torchao would not round the same
     weight to by itself; the int8 layers stay torchao's own int8 rounding."""
     model = random_model(tiny_config(), seed=1)
     ids = random_ids(model.config.vocab_size, 96, seed=3)
@@ -161,6 +175,7 @@ def test_torchao_holds_exactly_the_gptq_codes(int8_layers):
         copy.deepcopy(model), int8_layers=int8_layers, calibration=ids, head_int8_share=0
     )
     for name, (codes, scales) in expected.items():
+        assert torch.equal(scales, bfloat16_scales(scales)), name  # codes chosen on these
         weight = quantized.get_submodule(name).weight
         want = codes.float() * scales.repeat_interleave(32, 1)
         torch.testing.assert_close(weight.dequantize(), want, rtol=0, atol=0, msg=name)
@@ -211,7 +226,7 @@ def test_clip_false_is_min_max():
     quantized = quantize_8da4w(copy.deepcopy(model), clip=False)
     weight = model.layers[0].mlp.up_proj.weight.detach()
     got = quantized.layers[0].mlp.up_proj.weight.dequantize()
-    torch.testing.assert_close(got, min_max(weight), rtol=0, atol=0)
+    torch.testing.assert_close(got, program_min_max(weight), rtol=0, atol=0)
 
 
 BAD = [
@@ -227,7 +242,7 @@ BAD = [
     (None, {"int8_embedding": 1}, "int8_embedding must be True or False"),
     (None, {"gptq": 1}, "gptq must be True, False or None"),
     (None, {"clip": False, "gptq": True}, "needs clip=True"),
-    (None, {"grid": 1}, "grid must be True or False"),
+    (None, {"grid": 1}, "grid must be True, False or a tuple"),
     (None, {"head_int8_share": 1.0}, r"head_int8_share must be in \[0, 1\)"),
     (None, {"head_int8_share": -0.1}, r"head_int8_share must be in \[0, 1\)"),
     (None, {"head_int8_share": True}, r"head_int8_share must be in \[0, 1\)"),
@@ -265,7 +280,12 @@ def test_the_package_text_and_a_users_own():
         (["--calibration", "{tmp}/text.txt"], "--calibration is for --quantize"),
         (["--quantize", "8da4w", "--calibration", "{tmp}/none.txt"], "no such file"),
         (["--quantize", "8da4w", "--calibration", "{tmp}/text.txt"], "needs a tokenizer"),
-        (["--no-grid"], "--no-grid is for --quantize"),
+        (["--no-grid"], "--no-grid and --grid are for --quantize"),
+        (["--grid", "all"], "--no-grid and --grid are for --quantize"),
+        (
+            ["--quantize", "8da4w", "--no-grid", "--grid", "all"],
+            "--no-grid and --grid exclude each other",
+        ),
     ],
 )
 def test_cli_calibration_errors_come_before_any_work(extra, message, tmp_path, capsys):
@@ -310,7 +330,15 @@ def test_quantization_options_without_quantize_are_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("extra", "grid"), [([], None), (["--no-grid"], False)])
+@pytest.mark.parametrize(
+    ("extra", "grid"),
+    [
+        ([], None),
+        (["--no-grid"], False),
+        (["--grid", "all"], True),
+        (["--grid", "down_proj, o_proj"], ("down_proj", "o_proj")),
+    ],
+)
 def test_cli_no_grid_reaches_the_export(extra, grid, tmp_path, monkeypatch, capsys):
     import diffulex_edge.export as export_module
 

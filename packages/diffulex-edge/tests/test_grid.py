@@ -1,20 +1,22 @@
 """Layers already on a 4-bit grid keep it (diffulex_edge.grid): a Q4_1-style weight (what
 a GGUF holds) is found and kept to within bfloat16's step and the int8 offsets, a weight off
 every 16-level grid is not, quantize_8da4w keeps the grid layers' codes and steps exactly
-and leaves off-grid layers as GPTQ rounds them, and the exported program runs what the
-eager model runs. SmolLM2's perplexity is measured in benchmarks/smollm2_quality.py."""
+(by default those of GRID_LAYERS' kinds; grid=True: all) and leaves the others as GPTQ
+rounds them, and the exported program runs what the eager model runs. SmolLM2's perplexity
+is measured in benchmarks/smollm2_quality.py."""
 
 import copy
 
 import pytest
 import torch
 from random_sdar import random_model
+from torch import nn
 
 from diffulex_edge import EagerDynamic
 from diffulex_edge.calibration import random_ids
 from diffulex_edge.config import tiny_config
 from diffulex_edge.errors import DiffulexEdgeError
-from diffulex_edge.export import quantize_8da4w
+from diffulex_edge.export import GRID_LAYERS, quantize_8da4w
 from diffulex_edge.grid import ZERO, GroupOffsetLinear, find_grid
 
 
@@ -106,7 +108,7 @@ def test_quantize_keeps_every_grid_layer_and_rounds_the_rest():
     further from the float weights."""
     model = snapped(random_model(tiny_config(), seed=1))
     ids = random_ids(model.config.vocab_size, 96, seed=3)
-    kept = quantize_8da4w(copy.deepcopy(model), calibration=ids)
+    kept = quantize_8da4w(copy.deepcopy(model), calibration=ids, grid=True)
     rounded = quantize_8da4w(copy.deepcopy(model), calibration=ids, grid=False, head_int8_share=0)
     linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for name in linear:
@@ -132,6 +134,36 @@ def test_quantize_keeps_every_grid_layer_and_rounds_the_rest():
     assert error < (logits["rounded"] - logits["float"]).abs().mean() / 2
 
 
+def _dequantized(model) -> dict[str, torch.Tensor]:
+    return {
+        name: value.dequantize() if hasattr(value, "dequantize") else value
+        for name, value in model.state_dict().items()
+    }
+
+
+@pytest.mark.parametrize("grid", ["default", ("down_proj",), ["q_proj", "up_proj"]])
+def test_only_the_named_kinds_keep_their_grid(grid):
+    """By default the layers of GRID_LAYERS' kinds keep their grid and every other layer is
+    exactly what grid=False makes of it (GPTQ's Hessians come from the float model, so one
+    layer's choice does not move another's codes); a tuple or list names its own kinds."""
+    model = snapped(random_model(tiny_config(), seed=1))
+    ids = random_ids(model.config.vocab_size, 96, seed=3)
+    kinds = GRID_LAYERS if grid == "default" else tuple(grid)
+    options = {} if grid == "default" else {"grid": grid}
+    chosen = _dequantized(quantize_8da4w(copy.deepcopy(model), calibration=ids, **options))
+    every = _dequantized(quantize_8da4w(copy.deepcopy(model), calibration=ids, grid=True))
+    none = _dequantized(quantize_8da4w(copy.deepcopy(model), calibration=ids, grid=False))
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    wrapped = set()
+    for name, value in chosen.items():
+        kind = next((part for part in name.split(".") if part in linear), None)
+        want = every if kind in kinds else none
+        assert torch.equal(value, want[name]), name
+        if name.endswith(".offset.weight"):
+            wrapped.add(kind)
+    assert wrapped == set(kinds)
+
+
 def test_off_grid_layers_are_what_grid_false_makes():
     model = random_model(tiny_config(), seed=2)
     ids = random_ids(model.config.vocab_size, 96, seed=3)
@@ -146,18 +178,29 @@ def test_off_grid_layers_are_what_grid_false_makes():
         assert torch.equal(got, want), name
 
 
-def test_grid_must_be_a_bool_and_is_checked_first():
+@pytest.mark.parametrize(
+    ("grid", "error", "message"),
+    [
+        ("yes", DiffulexEdgeError, "grid must be True, False or a tuple of linear layer names"),
+        (1, DiffulexEdgeError, "grid must be True, False or a tuple"),
+        (("down_proj", 3), DiffulexEdgeError, "grid must be True, False or a tuple"),
+        (("down_proj", "mlp"), ValueError, r"grid \['mlp'\] name no linear layer"),
+    ],
+)
+def test_grid_is_checked_first(grid, error, message):
     model = snapped(random_model(tiny_config(), seed=1))
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(DiffulexEdgeError, match="grid must be True or False"):
-        quantize_8da4w(model, grid="yes")
+    with pytest.raises(error, match=message):
+        quantize_8da4w(model, grid=grid)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
 
 
 def test_a_grid_8da4w_pte_matches_its_eager_model(tmp_path):
-    """The program runs the wrapped layers as the eager model does: same greedy tokens and
-    logits within float reordering of the int8 products."""
+    """The program runs the default quantization as the eager model does, the wrapped
+    layers and GPTQ's alike: same greedy tokens and logits within float reordering of the
+    int8 products. (Before 0.14 GPTQ's scales were float32 in the eager model and bfloat16
+    in the program: logits 0.036 apart here.)"""
     from diffulex_edge import PteEngine, export_pte
 
     model = snapped(random_model(tiny_config(), seed=1))

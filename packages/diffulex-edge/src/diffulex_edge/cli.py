@@ -188,8 +188,16 @@ def _calibration(args):
 def cmd_export(args) -> None:
     from diffulex_edge.export import export_pte
 
-    if args.no_grid and args.quantize is None:
-        raise ValueError("--no-grid is for --quantize")
+    if (args.no_grid or args.grid is not None) and args.quantize is None:
+        raise ValueError("--no-grid and --grid are for --quantize")
+    if args.no_grid and args.grid is not None:
+        raise ValueError("--no-grid and --grid exclude each other")
+    grid = {}
+    if args.no_grid:
+        grid = {"grid": False}
+    elif args.grid is not None:
+        names = tuple(name.strip() for name in args.grid.split(",") if name.strip())
+        grid = {"grid": True if names == ("all",) else names}
     calibration = _calibration(args)
     model = _model(args)
     defaults = AUTOREGRESSIVE_DEFAULTS if model.config.mask_token_id is None else DIFFUSION_DEFAULTS
@@ -208,7 +216,7 @@ def cmd_export(args) -> None:
         prefill,
         progress=True,
         calibration=calibration,
-        **({"grid": False} if args.no_grid else {}),
+        **grid,
     )
     print(
         f"wrote {result.path} ({result.pte_bytes / 2**20:.2f} MiB, {result.variant}, "
@@ -346,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --quantize, round int4 layers already on a 4-bit grid (a GGUF's Q4_0/Q4_1) "
         "again instead of keeping their grid: a smaller, faster program that scores worse "
         "(SmolLM2: the README's quantization table)",
+    )
+    p.add_argument(
+        "--grid",
+        metavar="LAYERS",
+        help="with --quantize, the layers that keep a 4-bit grid they are found on, by the "
+        "last part of their name, comma-separated, or 'all' (default: v_proj,o_proj,"
+        "down_proj; each kept grid adds two small int8 products to its layer)",
     )
     p.set_defaults(func=cmd_export)
 

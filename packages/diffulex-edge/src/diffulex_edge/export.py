@@ -48,6 +48,11 @@ from diffulex_edge.split_head import HEAD_INT8_SHARE
 # 8da4w-mixed: the linear layers whose weights stay int8 (one scale per row). On SmolLM2
 # they carry most of 8da4w's perplexity loss (benchmarks/smollm2_quant_ablation.py).
 MIXED_INT8_LAYERS = ("down_proj", "lm_head")
+# The linear layers that keep a 4-bit grid they are found on (quantize_8da4w's ``grid``).
+# Each kept grid costs its layer two small int8 products and an add in the program. On
+# SmolLM2 these three kinds keep most of the perplexity that keeping every grid layer
+# saves, at 90 of its 210 layers' cost (the README's quantization table; 0.14).
+GRID_LAYERS = ("v_proj", "o_proj", "down_proj")
 # The method that runs causal prefill chunks, when a program has one (block_kv only).
 PREFILL_METHOD = "prefill"
 
@@ -231,7 +236,7 @@ def quantize_8da4w(
     clip: bool = True,
     int8_embedding: bool = True,
     gptq: bool | None = None,
-    grid: bool = True,
+    grid: bool | tuple[str, ...] = GRID_LAYERS,
     head_int8_share: float = HEAD_INT8_SHARE,
 ) -> SDARModel:
     """Int8 dynamic activations, int4 grouped weights on every linear layer (torchao), each
@@ -239,12 +244,13 @@ def quantize_8da4w(
     (:mod:`diffulex_edge.calibration`) and, given text, its codes chosen by GPTQ on the same
     text (:mod:`diffulex_edge.gptq`); the embedding table int8, one scale per row
     (:class:`~diffulex_edge.embedding.Int8Embedding`, which any ExecuTorch runtime runs).
-    An int4 layer whose weight already lies on a 4-bit grid of ``group_size`` inputs (a
-    GGUF's Q4_0 / Q4_1 tensors, a GPTQ or AWQ checkpoint, dequantized) keeps that grid
-    instead of being rounded again: its steps become the scales, and the groups' offsets
-    an int8 product on the input's group sums (:mod:`diffulex_edge.grid`). An int4
-    ``lm_head`` not on a grid keeps the rows of the tokens likeliest on the calibration
-    text in int8 (``head_int8_share`` of them; :mod:`diffulex_edge.split_head`).
+    An int4 layer of ``grid``'s kinds whose weight already lies on a 4-bit grid of
+    ``group_size`` inputs (a GGUF's Q4_0 / Q4_1 tensors, a GPTQ or AWQ checkpoint,
+    dequantized) keeps that grid instead of being rounded again: its steps become the
+    scales, and the groups' offsets an int8 product on the input's group sums
+    (:mod:`diffulex_edge.grid`). An int4 ``lm_head`` not on a grid keeps the rows of the
+    tokens likeliest on the calibration text in int8 (``head_int8_share`` of them;
+    :mod:`diffulex_edge.split_head`).
 
     Works in place on ``model`` (pass a copy to keep the float one). Needs the ``quant``
     extra. Every argument is checked before the model changes.
@@ -265,9 +271,11 @@ def quantize_8da4w(
         gptq: whether GPTQ chooses the codes of the clipped groups, or they are rounded to
             nearest (0.11). None: GPTQ when ``calibration`` is given; on random ids it
             fit held-out text worse than rounding to nearest. True needs ``clip``.
-        grid: whether int4 layers already on a 4-bit grid keep it (0.13); False rounds
-            them like the others (before 0.13). ``clip``, ``calibration`` and ``gptq``
-            apply to the layers that are not on a grid.
+        grid: which int4 layers already on a 4-bit grid keep it, named by the last part
+            of their module name (default :data:`GRID_LAYERS`, 0.14: ``v_proj``,
+            ``o_proj``, ``down_proj``); True: every one (0.13, slower); False: none, they
+            are rounded like the others (before 0.13). ``clip``, ``calibration`` and
+            ``gptq`` apply to the layers that do not keep a grid.
         head_int8_share: with ``clip``, the share of an int4 ``lm_head``'s rows (not on a
             grid) that are int8 instead: those of the tokens the model, before it is
             quantized, finds likeliest on the calibration ids (0.13, a twelfth by default);
@@ -277,21 +285,29 @@ def quantize_8da4w(
         ``model``, quantized.
 
     Raises:
-        ValueError: ``int8_layers`` naming no linear layer, or an int4 layer's
+        ValueError: ``int8_layers`` or ``grid`` naming no linear layer, or an int4 layer's
             ``in_features`` not divisible by ``group_size``.
         DiffulexEdgeError: calibration ids that are not 1-D integers in the vocabulary, a
-            flag that is not a bool (``gptq``: nor None), or calibration ids or
-            ``gptq=True`` with ``clip=False``, a ``head_int8_share`` outside [0, 1).
+            flag that is not a bool (``gptq``: nor None; ``grid``: nor a tuple of names),
+            or calibration ids or ``gptq=True`` with ``clip=False``, a
+            ``head_int8_share`` outside [0, 1).
     """
-    from diffulex_edge.calibration import check_ids, clip_int4_layers, random_ids, untie_weight
+    from diffulex_edge.calibration import (
+        check_ids,
+        clip_int4_layers,
+        random_ids,
+        round_int4_scales,
+        untie_weight,
+    )
     from diffulex_edge.embedding import quantize_embedding
     from diffulex_edge.gptq import gptq_int4_layers, install_codes
     from diffulex_edge.grid import attach_offsets, find_grid
     from diffulex_edge.split_head import SplitHead, likely_rows, split_rows
 
-    for flag, value in (("clip", clip), ("int8_embedding", int8_embedding), ("grid", grid)):
+    for flag, value in (("clip", clip), ("int8_embedding", int8_embedding)):
         if not isinstance(value, bool):
             raise DiffulexEdgeError(f"{flag} must be True or False, got {value!r}")
+    grid = _grid_layers(grid)
     if gptq is not None and not isinstance(gptq, bool):
         raise DiffulexEdgeError(f"gptq must be True, False or None, got {gptq!r}")
     if not clip and calibration is not None:
@@ -317,11 +333,12 @@ def quantize_8da4w(
     linear_names = {
         fqn.rsplit(".", 1)[-1] for fqn, m in model.named_modules() if isinstance(m, nn.Linear)
     }
-    unknown = sorted(set(int8_layers) - linear_names)
-    if unknown:
-        raise ValueError(
-            f"int8_layers {unknown} name no linear layer; the model has {sorted(linear_names)}"
-        )
+    for option, names in (("int8_layers", int8_layers), ("grid", grid)):
+        unknown = sorted(set(() if isinstance(names, bool) else names) - linear_names)
+        if unknown:
+            raise ValueError(
+                f"{option} {unknown} name no linear layer; the model has {sorted(linear_names)}"
+            )
     int4_layers = {
         fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and not int8(m, fqn)
     }
@@ -334,6 +351,8 @@ def quantize_8da4w(
     grids = {}
     if grid:
         for fqn, module in int4_layers.items():
+            if grid is not True and fqn.rsplit(".", 1)[-1] not in grid:
+                continue
             found = find_grid(module.weight, group_size)
             if found is not None:
                 grids[fqn] = found
@@ -372,11 +391,23 @@ def quantize_8da4w(
     )
     if codes:
         install_codes(model, codes)
+    round_int4_scales(model, int4_layers)  # as XNNPACK stores them (grid and GPTQ: already)
     if grids:
         attach_offsets(model, grids, group_size)
     if int8_embedding:
         quantize_embedding(model)
     return model
+
+
+def _grid_layers(grid) -> bool | tuple[str, ...]:
+    """``quantize_8da4w``'s ``grid`` checked: a bool, or a tuple of layer names."""
+    if isinstance(grid, bool):
+        return grid
+    if isinstance(grid, (tuple, list)) and all(isinstance(name, str) for name in grid):
+        return tuple(grid)
+    raise DiffulexEdgeError(
+        f"grid must be True, False or a tuple of linear layer names, got {grid!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -457,7 +488,7 @@ def export_pte(
     clip: bool = True,
     int8_embedding: bool = True,
     gptq: bool | None = None,
-    grid: bool = True,
+    grid: bool | tuple[str, ...] = GRID_LAYERS,
     head_int8_share: float = HEAD_INT8_SHARE,
 ) -> ExportResult:
     """torch.export -> to_edge_transform_and_lower(XnnpackPartitioner) -> .pte at ``path``,
@@ -487,8 +518,8 @@ def export_pte(
             before 0.11).
         gptq: with ``quantize``, whether GPTQ chooses the int4 codes (None: with
             ``calibration``; :func:`quantize_8da4w`).
-        grid: with ``quantize``, whether layers already on a 4-bit grid keep it
-            (:func:`quantize_8da4w`; False: as before 0.13).
+        grid: with ``quantize``, which layers already on a 4-bit grid keep it
+            (:func:`quantize_8da4w`; True: every one, as 0.13; False: none, as before 0.13).
         head_int8_share: with ``quantize``, the share of an int4 ``lm_head``'s rows that
             are int8 (:func:`quantize_8da4w`; 0: as before 0.13).
 
@@ -508,7 +539,7 @@ def export_pte(
     defaults = (
         clip is True
         and int8_embedding is True
-        and grid is True
+        and grid == GRID_LAYERS
         and head_int8_share == HEAD_INT8_SHARE
     )
     if quantize is None and (changed or not defaults):

@@ -28,7 +28,13 @@ import contextlib
 import torch
 from torch import nn
 
-from diffulex_edge.calibration import INT4_LEVELS, causal_windows, clip_limits, untie_weight
+from diffulex_edge.calibration import (
+    INT4_LEVELS,
+    bfloat16_scales,
+    causal_windows,
+    clip_limits,
+    untie_weight,
+)
 from diffulex_edge.errors import DiffulexEdgeError
 
 # Added to H's diagonal, times its mean. On SmolLM2, of 0.01 to 1, 0.05 and 0.1 fit best:
@@ -140,6 +146,7 @@ def _round(module: nn.Linear, hessian: torch.Tensor, group_size: int):
     blocks = hessian.reshape(groups, group_size, groups, group_size)[index, :, index, :]
     limits = clip_limits(weight, blocks.float(), group_size)  # (out, groups, 1)
     scales = (limits[..., 0] / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = bfloat16_scales(scales)  # the program's: codes are chosen on what it runs
     return gptq_codes(weight, hessian, scales, group_size), scales
 
 
