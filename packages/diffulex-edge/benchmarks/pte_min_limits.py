@@ -9,8 +9,8 @@ budget runner of ``membound_testing.budget``: a hard limit with swap off, the pa
 cache dropped first);
 the smallest limit at which the answer still says "Paris" is bisected. The programs come
 from the side-by-side benchmark's ``--keep`` directory, plus the quantized exports (or
-``smollm2_quality.py --keep DIR``, which writes the static_kv 8da4w programs of 0.13, 0.12
-and 0.10 under the names below, and ``optimum_int4.py DIR``, which exports optimum-executorch's
+``smollm2_quality.py --keep DIR``, which writes the static_kv 8da4w programs of 0.14, 0.13,
+0.12 and 0.10 under the names below, and ``optimum_int4.py DIR``, which exports optimum-executorch's
 int4 recipe):
 
     hatch run diffulex-edge-optimum:bench --keep DIR
@@ -48,7 +48,8 @@ PROGRAMS = {  # row -> (child kind, file or directory under DIR; None = the mode
     "diffulex-edge .pte block_kv": (KINDS[1], "diffulex-block_kv.pte"),
     "diffulex-edge .pte static_kv 8da4w": (KINDS[0], "diffulex-static_kv-8da4w.pte"),
     "diffulex-edge .pte static_kv 8da4w-mixed": (KINDS[0], "diffulex-static_kv-8da4w-mixed.pte"),
-    # 0.12's and 0.10's quantizations beside 0.13's: smollm2_quality.py --keep
+    # 0.13's, 0.12's and 0.10's quantizations beside 0.14's: smollm2_quality.py --keep
+    "diffulex-edge .pte static_kv 8da4w (0.13)": (KINDS[0], "diffulex-static_kv-8da4w-0.13.pte"),
     "diffulex-edge .pte static_kv 8da4w (0.12)": (KINDS[0], "diffulex-static_kv-8da4w-0.12.pte"),
     "diffulex-edge .pte static_kv 8da4w (0.10)": (KINDS[0], "diffulex-static_kv-8da4w-0.10.pte"),
     "diffulex-edge .pte static_kv 8da4w-mixed (0.10)": (

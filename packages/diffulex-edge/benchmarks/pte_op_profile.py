@@ -1,6 +1,6 @@
 """Where a static_kv program's decode time goes, per kind of operator: ExecuTorch's own
-profiler (ETDump, with XNNPACK's per-operator events) on SmolLM2's 8da4w programs of 0.13,
-0.12 and 0.10, side by side.
+profiler (ETDump, with XNNPACK's per-operator events) on SmolLM2's 8da4w programs of 0.14,
+0.13, 0.12 and 0.10, side by side.
 
 Each program runs in a fresh process (the programs in turn, ``--rounds`` times; medians),
 loaded as :class:`~diffulex_edge.PteEngine` loads it (XNNPACK's shared weight cache on, one
@@ -30,7 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 COMMAND = "hatch run diffulex-edge:python packages/diffulex-edge/benchmarks/pte_op_profile.py DIR"
 PROGRAMS = {  # row -> file under DIR (smollm2_quality.py --keep DIR)
-    "8da4w (0.13)": "diffulex-static_kv-8da4w.pte",
+    "8da4w (0.14)": "diffulex-static_kv-8da4w.pte",
+    "8da4w (0.13)": "diffulex-static_kv-8da4w-0.13.pte",
     "8da4w (0.12)": "diffulex-static_kv-8da4w-0.12.pte",
     "8da4w (0.10)": "diffulex-static_kv-8da4w-0.10.pte",
 }

@@ -1,10 +1,12 @@
-"""SmolLM2-135M-Instruct: the 8da4w static_kv .pte against the fp32 one, as 0.13 quantizes
-it (layers already on a 4-bit grid, all of SmolLM2's Q4_1 linear layers, keep it; the tied
-lm_head clipped on the package's calibration text and its codes chosen by GPTQ, but for the
-twelfth of its rows likeliest on that text, which are int8; the embedding int8: what
-``diffulex-edge export --quantize 8da4w`` does with the model's tokenizer), as 0.12 did
+"""SmolLM2-135M-Instruct: the 8da4w static_kv .pte against the fp32 one, as 0.14 quantizes
+it (the v_proj, o_proj and down_proj layers, on SmolLM2's Q4_1 grid, keep it; every other
+int4 layer, the tied lm_head among them, clipped on the package's calibration text and its
+codes chosen by GPTQ, but for the twelfth of lm_head's rows likeliest on that text, which
+are int8; the embedding int8: what ``diffulex-edge export --quantize 8da4w`` does with the
+model's tokenizer), as 0.13 did (every layer on a grid keeps it: ``grid=True``), as 0.12 did
 (every int4 layer clipped and GPTQ: ``grid=False, head_int8_share=0``) and as 0.10 did
-(min-max, float embedding: ``clip=False, int8_embedding=False``), side by side in one run:
+(min-max, float embedding: ``clip=False, int8_embedding=False``), side by side in one run
+(every int4 scale bfloat16 in the eager model, as in the program, since 0.14):
 
 - file size;
 - perplexity on a held-out paragraph, through the program's own prefill method;
@@ -20,7 +22,8 @@ twelfth of its rows likeliest on that text, which are int8; the embedding int8: 
     python packages/diffulex-edge/benchmarks/smollm2_quality.py [--quick] [--keep DIR]
 
 The programs are exported once per export code (``export_code_digest``) under the membound
-cache (the fp32 one is the test suite's); an 8da4w export of 0.13 takes about 16 minutes on 2 cores (0.12: 5 to 7).
+cache (the fp32 one is the test suite's); an 8da4w export of 0.13 takes about 16 minutes on
+2 cores (0.12: 5 to 7).
 ``--quick`` scores the first 64 tokens, times one round and does not save the JSON.
 """
 
@@ -50,22 +53,24 @@ RESULTS = Path(__file__).parent / "results"
 COMMAND = "python packages/diffulex-edge/benchmarks/smollm2_quality.py"
 MAX_SEQ, PREFILL, NEW_TOKENS, ROUNDS = 256, 32, 32, 9
 QUESTION = "What is the capital of France?"
-# (label, quantize, version): fp32, then each quantization as 0.13, 0.12 and 0.10 made it.
+# (label, quantize, version): fp32, then each quantization as 0.14, 0.13, 0.12 and 0.10 made it.
 PROGRAMS = (
-    ("fp32", None, "0.13"),
-    ("8da4w", "8da4w", "0.13"),
+    ("fp32", None, "0.14"),
+    ("8da4w", "8da4w", "0.14"),
+    ("8da4w every grid (0.13)", "8da4w", "0.13"),
     ("8da4w GPTQ (0.12)", "8da4w", "0.12"),
     ("8da4w min-max (0.10)", "8da4w", "0.10"),
 )
 # 8da4w-mixed's programs were measured here until 0.12 (stop 67: README); an export of a
 # grid model takes 16 min, so 0.13's 8da4w-mixed is scored eager in smollm2_quant_texts.py.
-# quantize_8da4w's options for each version (0.13: the defaults, with the package's text).
+# quantize_8da4w's options for each version (0.14: the defaults, with the package's text).
 OPTIONS = {
-    "0.13": {},
+    "0.14": {},
+    "0.13": {"grid": True},
     "0.12": {"grid": False, "head_int8_share": 0},
     "0.10": {"clip": False, "int8_embedding": False, "grid": False, "head_int8_share": 0},
 }
-SUFFIX = {"0.13": "", "0.12": "-0.12", "0.10": "-0.10"}  # --keep's file names
+SUFFIX = {"0.14": "", "0.13": "-0.13", "0.12": "-0.12", "0.10": "-0.10"}  # --keep's file names
 # Held out: written for this benchmark, so it is in no training set.
 TEXT = (
     "The lighthouse keeper on the northern island kept a notebook of every ship that passed. "
@@ -219,7 +224,7 @@ def main() -> None:
                 "Paris" in answer,
             ]
         )
-    for label in ("8da4w", "8da4w GPTQ (0.12)"):
+    for label in ("8da4w", "8da4w every grid (0.13)", "8da4w GPTQ (0.12)"):
         fact, before = facts[label], facts["8da4w min-max (0.10)"]
         size, ppl = fact["size"] / fp32["size"], fact["ppl"] / fp32["ppl"]
         targets += [
@@ -248,8 +253,8 @@ def main() -> None:
         RESULTS,
         package="diffulex-edge",
         name="smollm2_8da4w",
-        title="SmolLM2-135M-Instruct .pte: 0.13's 8da4w against fp32, 0.12's GPTQ and 0.10's "
-        "min-max 8da4w",
+        title="SmolLM2-135M-Instruct .pte: 0.14's 8da4w against fp32, 0.13's every grid, "
+        "0.12's GPTQ and 0.10's min-max 8da4w",
         command=COMMAND,
         columns=[
             "program",
@@ -270,16 +275,19 @@ def main() -> None:
         "end of sequence; one thread (ExecuTorch's threadpool too), the programs in turn, "
         f"median of {ROUNDS}. 8da4w = int8 dynamic activations, int4 weights in "
         "groups of 32 on every linear layer (torchao). "
-        "0.13: layers already on a 4-bit grid (SmolLM2's Q4_1 linear layers) keep it, "
-        "their groups' offsets an int8 product on the input's group sums "
-        "(diffulex_edge.grid); the other int4 layers (the tied lm_head, Q8_0 in the GGUF) as "
-        f"0.12: each int4 group's scale clipped on the package's text ({calibration.numel()} "
-        "tokens, diffulex_edge.calibration) and its codes chosen by GPTQ "
-        "(diffulex_edge.gptq), the embedding int8 per row; 0.12 (grid=False): every int4 "
-        "layer so; 0.10: min-max, embedding fp32 (clip=False, int8_embedding=False, "
-        "grid=False). 0.13 also keeps the twelfth of the tied lm_head's rows likeliest on the "
+        "0.14: the v_proj, o_proj and down_proj layers, already on a 4-bit grid (SmolLM2's "
+        "Q4_1), keep it, their groups' offsets an int8 product on the input's group sums "
+        "(diffulex_edge.grid); the other int4 layers (q/k/gate/up_proj, and the tied lm_head, "
+        f"Q8_0 in the GGUF) as 0.12: each int4 group's scale clipped on the package's text "
+        f"({calibration.numel()} tokens, diffulex_edge.calibration) and its codes chosen by "
+        "GPTQ (diffulex_edge.gptq), the embedding int8 per row; 0.13 (grid=True): every "
+        "layer on a grid keeps it; 0.12 (grid=False): every int4 layer clipped and GPTQ; "
+        "0.10: min-max, embedding fp32 (clip=False, int8_embedding=False, grid=False). 0.14 "
+        "and 0.13 also keep the twelfth of the tied lm_head's rows likeliest on the "
         "calibration text int8 (diffulex_edge.split_head); 0.12 and 0.10 have "
-        "head_int8_share=0. Block size 1.",
+        "head_int8_share=0. Every int4 scale is bfloat16 in the eager model as in the "
+        "program (0.14; before, GPTQ's and torchao's were float32 in the eager model). "
+        "Block size 1.",
         save=not args.quick,
     )
 

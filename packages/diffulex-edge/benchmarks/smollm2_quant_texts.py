@@ -2,15 +2,18 @@
 ``smollm2_quality.py``'s paragraph (145 tokens): the three texts of different kinds that
 moe-expert-cache's benchmarks use (prose, a chat transcript, Python source; written for
 membound or MIT source, read from ``packages/moe-expert-cache/benchmarks/texts.py``), up to
-1,000 tokens each. Each quantization six ways, side by side: as 0.10 did (min-max,
+1,000 tokens each. Each quantization eight ways, side by side: as 0.10 did (min-max,
 float embedding: ``clip=False, int8_embedding=False``); as 0.11 did with a tokenizer (int4
 groups clipped on the package's calibration text and rounded to nearest, int8 embedding:
 ``gptq=False``); as 0.12 did with a tokenizer (the clip's scales, GPTQ's codes) and without
 one (clipped on random token ids, rounded to nearest), each ``grid=False,
-head_int8_share=0``; as 0.13 does with and without a tokenizer (layers already on a 4-bit
-grid, SmolLM2's Q4_1 linear layers, keep it; the tied lm_head as 0.12, but for the twelfth
-of its rows likeliest on the calibration ids, which are int8). Eager model with
-the export's own quantizers (a program's static cache of 256 would not take a 1,000-token
+head_int8_share=0``; as 0.13 did with and without a tokenizer (layers already on a 4-bit
+grid, SmolLM2's Q4_1 linear layers, keep it: ``grid=True``; the tied lm_head as 0.12, but
+for the twelfth of its rows likeliest on the calibration ids, which are int8); as 0.14
+does (the same, but only the v_proj, o_proj and down_proj layers keep their grid; the
+others as 0.12). Since 0.14 every int4 scale is bfloat16 in the eager model, as in the
+program, so the older rows are those quantizations as the program runs them. Eager model
+with the export's own quantizers (a program's static cache of 256 would not take a 1,000-token
 prefill); no timing.
 
     python packages/diffulex-edge/benchmarks/smollm2_quant_texts.py
@@ -63,8 +66,10 @@ def main() -> None:
             ),
             ("GPTQ, package text (0.12)", {"calibration": text_ids, **BEFORE_013}),
             ("clipped, random ids (0.12)", BEFORE_013),
-            ("grid + GPTQ, package text (0.13)", {"calibration": text_ids}),
-            ("grid + clipped, random ids (0.13)", {}),
+            ("every grid + GPTQ, package text (0.13)", {"calibration": text_ids, "grid": True}),
+            ("every grid + clipped, random ids (0.13)", {"grid": True}),
+            ("v/o/down grids + GPTQ, package text (0.14)", {"calibration": text_ids}),
+            ("v/o/down grids + clipped, random ids (0.14)", {}),
         ):
             quantized = quantize_8da4w(copy.deepcopy(base), int8_layers=int8, **options)
             models[f"{scheme} {way}"] = quantized
