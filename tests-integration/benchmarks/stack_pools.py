@@ -3,9 +3,10 @@ plain, zstd-linear and paired-cache alone, in one run (#54).
 
 Each row is the demo's, run in a fresh process in its own cgroup by the budget runner
 (the profile's hard limit and read bandwidth, the page cache dropped first), rounds
-interleaved. The stacked row runs four times: over the gate-less float32 pool of the
-paired-cache row and over the compressed pool (each row a zstd frame), each with
-paired-cache's keep_cached "auto" and 0 (nothing kept); all four have every
+interleaved. The stacked row runs six times: over the gate-less float32 pool of the
+paired-cache row, over the zstd pool (each row a zstd frame) and over the grid pool (each
+row SmolLM2's Q4_1 codes), each with paired-cache's keep_cached "auto" and 0 (nothing
+kept); all six have every
 MLP's gate, the attention and the embedding from zstd-linear and the KV cache bounded by
 bmrt-kv. Reported per run: tokens/s, the MiB read from storage per decoded token and the
 answer.
@@ -31,7 +32,7 @@ ROWS = (  # (rows module, row id, environment of the row's process)
     ("paired_cache", "paired_cache_in_place", {}),
     *(
         ("combined", "combined", {"MEMBOUND_STACK_POOL": pool, "MEMBOUND_STACK_KEEP": keep})
-        for pool in ("float32", "zstd")
+        for pool in ("float32", "zstd", "grid")
         for keep in ("auto", "0")
     ),
 )
@@ -54,6 +55,10 @@ def main(argv=None) -> None:
     profile = PROFILES[args.profile]
     device = block_device_of(cache_dir())
     run_prepare(sorted({module for module, _, _ in ROWS}))
+    from membound_integration.rows.combined import compressed_pool_path
+
+    for codec in ("zstd", "grid"):  # each variant's pool, before any run is timed
+        compressed_pool_path(codec)
     runs: dict[tuple, list[dict]] = {}
     for _ in range(args.rounds):
         for module, row_id, variant in ROWS:

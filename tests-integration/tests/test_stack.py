@@ -10,9 +10,9 @@ Invariants, over random prompts (hypothesis):
 - stacking in the other order (zstd-linear compresses the plain model first, then
   paired-cache sparsifies it, its rows copied into pools) gives the same model: the same
   bound against plain, the same argmax;
-- over a compressed pool (each row a zstd frame), with every MLP's gate_proj compressed
-  by zstd-linear in the SparseMLP's place, the same bound and argmax (and the gate is
-  zstd-linear's layer);
+- over a compressed pool (each row a zstd frame, or, for MLP weights on a GGUF grid, the
+  grid's codes), with every MLP's gate_proj compressed by zstd-linear in the SparseMLP's
+  place, the same bound and argmax (and the gate is zstd-linear's layer);
 - a step the packages cannot combine (a .zlin that names MLP layers paired-cache has
   replaced) is refused by zstd-linear before the model changes.
 """
@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from bmrt_kv import BMRTCache, BMRTConfig
 from membound_integration.stack import MLP_GLOB, ROWS_GLOBS, load_stacked, room_for_rows
 from membound_testing.families import VOCAB, tiny_model
+from membound_testing.grids import on_gguf_grid
 from paired_cache import SparseMLP, convert, sparsify_model
 from zstd_linear import CompressedFileError, CompressedLinear, compress_model, save_compressed
 
@@ -103,26 +104,35 @@ def test_lossless_stack_with_bmrt_kv_gives_plain_tokens(stacked, seed, length):
     assert torch.equal(got, want)
 
 
-def _compressed_stack_files(family, tmp_path):
-    """A tiny model of ``family`` saved, its compressed pool and the .zlin of the rest (the
-    gates among them), under tmp_path: (the plain model, (model_dir, pool, zlin))."""
-    files = tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin"
-    plain = tiny_model(family)
-    plain.save_pretrained(files[0])
-    convert(files[0], files[1], compress=True, progress=False)
+def _grid_model(family, codec):
+    """A tiny model of ``family``; for the grid codec, its MLP weights as a GGUF
+    dequantizes them (Q4_1, down_proj Q8_0), which a grid pool stores bit for bit."""
     model = tiny_model(family)
+    return on_gguf_grid(model) if codec == "grid" else model
+
+
+def _compressed_stack_files(family, tmp_path, codec="zstd"):
+    """A tiny model of ``family`` saved, its compressed pool (``codec``) and the .zlin of
+    the rest (the gates among them), under tmp_path: (the plain model, (model_dir, pool,
+    zlin))."""
+    files = tmp_path / "dense", tmp_path / "mlp.pcpool", tmp_path / "rest.zlin"
+    plain = _grid_model(family, codec)
+    plain.save_pretrained(files[0])
+    convert(files[0], files[1], compress=codec, progress=False)
+    model = _grid_model(family, codec)
     compress_model(model, exclude=list(ROWS_GLOBS), embeddings=True, progress=False)
     save_compressed(model, files[2])
     return plain, files
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("codec", ["zstd", "grid"])
 @pytest.mark.parametrize("keep", [None, 1 << 30, "auto"])
-def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, keep, tmp_path):
-    """Also with the decoded rows kept (a byte count, or "auto" sized by room_for_rows
-    from a budget policy's limit with room for everything): the same logits, and every
-    row is read from the pool once."""
-    plain, files = _compressed_stack_files(family, tmp_path)
+def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, keep, codec, tmp_path):
+    """Over a zstd or a grid pool, also with the decoded rows kept (a byte count, or
+    "auto" sized by room_for_rows from a budget policy's limit with room for everything):
+    the same logits, and every row is read from the pool once."""
+    plain, files = _compressed_stack_files(family, tmp_path, codec)
     policy = {"policy": "budget", "memory_limit": 1 << 36} if keep == "auto" else {}
     stacked = load_stacked(*files, "cats", 1.0, keep_decoded=keep, **policy)
     layers = stacked.model.layers
@@ -134,7 +144,7 @@ def test_compressed_pool_with_compressed_gates_gives_plain_logits(family, keep, 
         ref, got = _logits(plain, ids), _logits(stacked, ids)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    packed = [int(layer.mlp.frames.offsets[-1]) for layer in layers]
+    packed = [layer.mlp.frames.total_bytes for layer in layers]
     read = [layer.mlp.pool_bytes_read for layer in layers]
     if keep is None:  # each token (one pass of 1, then dense prefills) read every frame
         assert read == [3 * p for p in packed]

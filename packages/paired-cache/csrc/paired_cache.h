@@ -99,6 +99,14 @@ const char *pc_core_info(void);
  * before out is written. Runs on the calling thread. */
 int pc_rows_mlp_f32(const pc_cache *cache, const float *x, const float *g, const int32_t *idx,
                     int64_t m, float *out);
+/* The same over up [n_rows, up_cols] and down_T [n_rows, hidden], two row-major float32
+ * arrays (rows decoded from a compressed pool, or kept decoded): the same products in the
+ * same order as pc_rows_mlp_f32 over a pool holding those rows. PC_ERR_CONFIG for a bad
+ * size or a NULL pointer, PC_ERR_INVALID for a row id outside [0, n_rows): both before out
+ * is written. */
+int pc_rows_mlp_split_f32(const float *x, const float *g, const int32_t *idx, int64_t m,
+                          const float *up, const float *down_T, int64_t n_rows, int64_t up_cols,
+                          int64_t hidden, float *out);
 /* One token's rows for a gated MLP (pc_select.c): the k of n rows with the largest
  *   score_i = |g[i]| * E|u_i|, u_i ~ Normal(up_mean[i], up_sd[i]^2)
  * (score_i = |g[i]| when up_mean and up_sd are both NULL), ties to the lowest ids, NaN

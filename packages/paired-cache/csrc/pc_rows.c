@@ -54,6 +54,28 @@ static void axpy_f32(float *out, float h, const float *d, int64_t n) {
     for (; c < n; c++) out[c] += h * d[c];
 }
 
+/* out = sum over k of g[k] * dot(x, up row idx[k]) * down_T row idx[k], rows at base +
+ * idx[k] * stride: the up row at offset 0, the down_T row at down_offset bytes from it
+ * (a pool row), or up and down_T in two arrays (rows_mlp over split arrays). Row ids are
+ * checked by the callers. */
+static void rows_mlp(const float *x, const float *g, const int32_t *idx, int64_t m,
+                     const uint8_t *up_base, size_t up_stride, const uint8_t *down_base,
+                     size_t down_stride, int64_t up_cols, int64_t hidden, float *out) {
+    memset(out, 0, (size_t)hidden * sizeof(float));
+    for (int64_t k = 0; k < m; k++) {
+        const float *up = (const float *)(up_base + (size_t)idx[k] * up_stride);
+        const float *down = (const float *)(down_base + (size_t)idx[k] * down_stride);
+        if (k + 1 < m) { /* the next row, while this one is multiplied */
+            const uint8_t *next_up = up_base + (size_t)idx[k + 1] * up_stride;
+            const uint8_t *next_down = down_base + (size_t)idx[k + 1] * down_stride;
+            for (size_t b = 0; b < (size_t)up_cols * 4; b += 64) __builtin_prefetch(next_up + b);
+            for (size_t b = 0; b < (size_t)hidden * 4; b += 64) __builtin_prefetch(next_down + b);
+        }
+        float h = g[k] * dot_f32(x, up, up_cols);
+        axpy_f32(out, h, down, hidden);
+    }
+}
+
 int pc_rows_mlp_f32(const pc_cache *cache, const float *x, const float *g, const int32_t *idx,
                     int64_t m, float *out) {
     const pc_config *c = &cache->cfg;
@@ -61,19 +83,22 @@ int pc_rows_mlp_f32(const pc_cache *cache, const float *x, const float *g, const
         return PC_ERR_CONFIG;
     for (int64_t k = 0; k < m; k++)
         if (idx[k] < 0 || idx[k] >= c->n_rows) return PC_ERR_INVALID; /* before any write */
-    const int64_t up_cols = c->up_cols, hidden = c->hidden;
     const size_t up_offset = (size_t)c->gate_cols * 4, stride = cache->pool_row_bytes;
-    const size_t row_bytes = (size_t)(up_cols + hidden) * 4;
-    memset(out, 0, (size_t)hidden * sizeof(float));
-    for (int64_t k = 0; k < m; k++) {
-        const uint8_t *row = cache->neuron_pool + (size_t)idx[k] * stride + up_offset;
-        if (k + 1 < m) { /* the whole next row, while this one is multiplied */
-            const uint8_t *next = cache->neuron_pool + (size_t)idx[k + 1] * stride + up_offset;
-            for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
-        }
-        const float *up = (const float *)row;
-        float h = g[k] * dot_f32(x, up, up_cols);
-        axpy_f32(out, h, up + up_cols, hidden);
-    }
+    const uint8_t *up = cache->neuron_pool + up_offset;
+    rows_mlp(x, g, idx, m, up, stride, up + (size_t)c->up_cols * 4, stride, c->up_cols,
+             c->hidden, out);
+    return PC_OK;
+}
+
+int pc_rows_mlp_split_f32(const float *x, const float *g, const int32_t *idx, int64_t m,
+                          const float *up, const float *down_T, int64_t n_rows, int64_t up_cols,
+                          int64_t hidden, float *out) {
+    if (m < 0 || n_rows < 0 || up_cols < 1 || hidden < 1 || x == NULL || out == NULL ||
+        (m > 0 && (g == NULL || idx == NULL || up == NULL || down_T == NULL)))
+        return PC_ERR_CONFIG;
+    for (int64_t k = 0; k < m; k++)
+        if (idx[k] < 0 || idx[k] >= n_rows) return PC_ERR_INVALID; /* before any write */
+    rows_mlp(x, g, idx, m, (const uint8_t *)up, (size_t)up_cols * 4, (const uint8_t *)down_T,
+             (size_t)hidden * 4, up_cols, hidden, out);
     return PC_OK;
 }

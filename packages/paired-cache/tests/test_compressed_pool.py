@@ -358,3 +358,45 @@ def test_frames_round_trip_every_dtype(n, up_cols, hidden, dtype, level, seed):
     assert torch.equal(got_down.view(torch.uint8), down.t()[rows].contiguous().view(torch.uint8))
     all_up, all_down = reader.rows()
     assert torch.equal(all_up, up) and torch.equal(all_down, down.t())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kept", [False, True])
+def test_one_float32_token_gives_the_in_place_pools_logits_bit_for_bit(models, family, kept):
+    """One token in float32 runs the C kernel over the rows decompressed (or kept
+    decoded): the products of the uncompressed pool's in-place kernel, in its order."""
+    model_dir, packed, slim, _ = models[family, torch.float32]
+    model = load_sparse(model_dir, packed, "cats", 0.5)
+    reference = load_sparse(model_dir, slim, "cats", 0.5, rows="in_place")
+    if kept:
+        keep_decoded(model, 1 << 30)
+    for ids in (IDS[:, :1], IDS[:, 5:6], IDS[:, :1]):
+        assert torch.equal(logits(model, ids), logits(reference, ids))
+
+
+def test_rows_mlp_split_is_the_pools_kernel_and_refuses_bad_input():
+    from paired_cache.cache import rows_mlp_split
+
+    gen = torch.Generator().manual_seed(1)
+    up, down_T = torch.randn(40, 24, generator=gen), torch.randn(40, 20, generator=gen)
+    x, idx = torch.randn(24, generator=gen), torch.tensor([3, 7, 8, 39], dtype=torch.int32)
+    g = torch.randn(4, generator=gen)
+    got = rows_mlp_split(x, g, idx, up, down_T)
+    # The same rows, packed at 0..m-1: the same products in the same order.
+    packed = rows_mlp_split(
+        x, g, torch.arange(4, dtype=torch.int32), up[idx.long()], down_T[idx.long()]
+    )
+    assert torch.equal(got, packed)
+    expected = (g.double() * (up[idx.long()].double() @ x.double())) @ down_T[idx.long()].double()
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
+    for bad, match in (
+        ({"idx": torch.tensor([0, 1, 2, 40], dtype=torch.int32)}, r"outside \[0, 40\)"),
+        ({"idx": idx.long()}, "idx must be a CPU torch.int32"),
+        ({"up": up.double()}, "up must be a CPU torch.float32"),
+        ({"down_T": down_T[:39]}, r"down_T has shape \(39, 20\)"),
+        ({"x": x[:5]}, r"x has shape \(5,\)"),
+        ({"g": g[:3]}, r"g has shape \(3,\)"),
+    ):
+        args = {"x": x, "g": g, "idx": idx, "up": up, "down_T": down_T, **bad}
+        with pytest.raises(PairedCacheError, match=match):
+            rows_mlp_split(**args)

@@ -151,7 +151,7 @@ def room_for_rows(model, headroom: int = 64 << 20) -> int:
         )
     left = policy.budget_bytes - charged - headroom
     decoded = mlps[0].decoded_bytes
-    packed = sum(int(m.frames.offsets[-1]) for m in mlps) / len(mlps)
+    packed = sum(m.frames.total_bytes for m in mlps) / len(mlps)
     n = len(mlps)
     if left <= 0:
         return 0

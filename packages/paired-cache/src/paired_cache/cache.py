@@ -367,12 +367,7 @@ class PairedCache:
             m,
             ffi.cast("float *", out.data_ptr()),
         )
-        if rc != lib.PC_OK:
-            raise PairedCacheError(
-                f"rows_mlp: a row id in idx is outside [0, {self.n_rows})"
-                if rc == lib.PC_ERR_INVALID
-                else f"rows_mlp refused by the core ({ERROR_NAMES.get(rc, rc)})"
-            )
+        _check_kernel_rc("rows_mlp", rc, self.n_rows)
         return out
 
     @property
@@ -453,6 +448,80 @@ class PairedCache:
             raise CacheInvariantError(ffi.string(message).decode())
 
 
+def _check_kernel_rc(fn: str, rc: int, n_rows: int) -> None:
+    """PairedCacheError for a row kernel's return code other than PC_OK."""
+    if rc != lib.PC_OK:
+        raise PairedCacheError(
+            f"{fn}: a row id in idx is outside [0, {n_rows})"
+            if rc == lib.PC_ERR_INVALID
+            else f"{fn} refused by the core ({ERROR_NAMES.get(rc, rc)})"
+        )
+
+
+def rows_mlp_split(
+    x: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, up: torch.Tensor, down_T: torch.Tensor
+) -> torch.Tensor:
+    """One token's in-place sparse MLP over rows held in two float32 arrays, in C:
+    sum over k of g[k] * (x . up[idx[k]]) * down_T[idx[k]], as (hidden,).
+
+    The same products, in the same order, as ``PairedCache.rows_mlp`` over a pool holding
+    those rows: what a compressed pool's layer computes over the rows it decoded (idx
+    0..m-1) or keeps decoded (idx the picked rows), with no gather.
+
+    Args:
+        x: (up_cols,) float32.
+        g: (m,) float32, act(gate x) at the rows idx.
+        idx: (m,) int32 row ids in [0, N).
+        up: (N, up_cols) float32, row-major.
+        down_T: (N, hidden) float32, row-major.
+
+    Returns:
+        (hidden,) float32.
+
+    Raises:
+        PairedCacheError: any other input (a row id out of range included), before
+            anything is computed.
+    """
+    n = up.shape[0] if isinstance(up, torch.Tensor) and up.dim() == 2 else -1
+    m = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 1 else -1
+    up_cols = up.shape[1] if n >= 0 else -1
+    hidden = down_T.shape[1] if isinstance(down_T, torch.Tensor) and down_T.dim() == 2 else -1
+    for name, t, dtype, shape in (
+        ("x", x, torch.float32, (up_cols,)),
+        ("g", g, torch.float32, (m,)),
+        ("idx", idx, torch.int32, (m,)),
+        ("up", up, torch.float32, (n, up_cols)),
+        ("down_T", down_T, torch.float32, (n, hidden)),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu":
+            raise PairedCacheError(
+                f"rows_mlp_split: {name} must be a CPU {dtype} tensor, got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
+        if tuple(t.shape) != shape or min(shape) < 0:
+            raise PairedCacheError(
+                f"rows_mlp_split: {name} has shape {tuple(t.shape)}; expected x (up_cols,), "
+                f"g and idx (m,), up (N, up_cols), down_T (N, hidden)"
+            )
+    x, g, idx = x.contiguous(), g.contiguous(), idx.contiguous()
+    up, down_T = up.contiguous(), down_T.contiguous()
+    out = torch.empty(hidden, dtype=torch.float32)
+    rc = lib.pc_rows_mlp_split_f32(
+        ffi.cast("float *", x.data_ptr()),
+        ffi.cast("float *", g.data_ptr()),
+        ffi.cast("int32_t *", idx.data_ptr()),
+        m,
+        ffi.cast("float *", up.data_ptr()),
+        ffi.cast("float *", down_T.data_ptr()),
+        n,
+        up_cols,
+        hidden,
+        ffi.cast("float *", out.data_ptr()),
+    )
+    _check_kernel_rc("rows_mlp_split", rc, n)
+    return out
+
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "CacheInvariantError",
@@ -460,4 +529,5 @@ __all__ = [
     "PairedCache",
     "UpdateInfo",
     "core_info",
+    "rows_mlp_split",
 ]

@@ -29,9 +29,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     layers = convert(
         args.source,
         args.out,
-        gate=not (args.no_gate or args.compress),
+        gate=not (args.no_gate or args.compress or args.grid),
         progress=not args.quiet,
-        compress=args.compress,
+        compress="grid" if args.grid else args.compress,
         compress_level=args.compress_level,
     )
     total = sum(layer.nbytes for layer in layers)
@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a compressed pool: no gate, one zstd frame per row of up | down_T, read in "
         "place by load_sparse (cats, the gated predictor)",
+    )
+    conv.add_argument(
+        "--grid",
+        action="store_true",
+        help="a grid pool: no gate, each row as the Q4_1 / Q8_0 codes its float32 weights "
+        "were dequantized from (a GGUF's float copy), decoded bit for bit; refused for "
+        "weights not exactly on such a grid",
     )
     conv.add_argument(
         "--compress-level", type=int, default=19, help="the zstd level of --compress, 1 to 22"

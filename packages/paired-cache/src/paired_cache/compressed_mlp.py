@@ -11,8 +11,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from paired_cache.cache import rows_mlp_split
 from paired_cache.compressed_pool import CompressedLayer, FrameReader
 from paired_cache.errors import PairedCacheError
+from paired_cache.grid_pool import GridReader
 from paired_cache.mask_sources import Activation, MaskSource
 from paired_cache.pool_file import PoolFile
 from paired_cache.registry import make_source, source_class
@@ -34,13 +36,13 @@ class CompressedSparseMLP(SparseMLP):
 
     def __init__(
         self,
-        frames: FrameReader,
+        frames: FrameReader | GridReader,
         gate: torch.Tensor,
         act: Activation,
         source: MaskSource,
         prefill: str = "sparse",
     ) -> None:
-        """frames: the layer's FrameReader; gate: (N, up_cols) the gate weights; source: a
+        """frames: the layer's FrameReader (zstd) or GridReader (grid); gate: (N, up_cols) the gate weights; source: a
         mask source that returns act(gate x) (gives_gate)."""
         CachedMLP.__init__(self)
         check_prefill(prefill)
@@ -99,12 +101,24 @@ class CompressedSparseMLP(SparseMLP):
         from the pool; counts their bytes, and first asks will_read_rows for them (ask)."""
         f = self.frames
         if idx is None:
-            self._bytes_read += int(f.offsets[-1])
+            self._bytes_read += f.total_bytes
         else:
             if ask and self.will_read_rows is not None and idx.shape[0]:
                 self.will_read_rows(torch.from_numpy(idx))
             self._bytes_read += f.compressed_bytes(idx)
         return f.rows(idx)
+
+    def _fill_kept(self, at: torch.Tensor | None) -> None:
+        """Decompress into the kept rows those of ``at`` ((m,) int64; None: every row) not
+        kept yet."""
+        kept_up, kept_down, have = self._kept
+        if self._all_kept:
+            return
+        missing = torch.arange(self.frames.n_rows)[~have] if at is None else at[~have[at]]
+        if missing.shape[0]:
+            kept_up[missing], kept_down[missing] = self._decode(missing.numpy(), ask=at is not None)
+            have[missing] = True
+            self._all_kept = bool(have.all())
 
     def _read_rows(self, idx: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(up (m, up_cols), down_T (m, hidden)) of rows idx ((m,) int64 ascending; None:
@@ -112,19 +126,23 @@ class CompressedSparseMLP(SparseMLP):
         decompressed into them; without keep_decoded, all decompressed."""
         if self._kept is None:
             return self._decode(idx, ask=True)
-        kept_up, kept_down, have = self._kept
         at = None if idx is None else torch.from_numpy(idx)
-        if not self._all_kept:
-            missing = torch.arange(self.frames.n_rows)[~have] if at is None else at[~have[at]]
-            if missing.shape[0]:
-                kept_up[missing], kept_down[missing] = self._decode(
-                    missing.numpy(), ask=at is not None
-                )
-                have[missing] = True
-                self._all_kept = bool(have.all())
+        self._fill_kept(at)
+        kept_up, kept_down, _ = self._kept
         if at is None:
             return kept_up, kept_down
         return kept_up.index_select(0, at), kept_down.index_select(0, at)
+
+    def _held_rows(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(up, down_T, at): two arrays holding rows idx ((m,) int64 ascending) at the
+        positions at ((m,) int32), with no gather: the kept rows (filled first), or the
+        rows just decompressed (at 0..m-1)."""
+        if self._kept is None:
+            up, down_T = self._decode(idx, ask=True)
+            return up, down_T, torch.arange(idx.shape[0], dtype=torch.int32)
+        at = torch.from_numpy(idx)
+        self._fill_kept(at)
+        return self._kept[0], self._kept[1], at.to(torch.int32)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -207,8 +225,17 @@ class CompressedSparseMLP(SparseMLP):
         """x: (T, hidden) -> (T, hidden) over the rows idx ((m,) int32, ascending), their
         frames decompressed in one call; gate_at: (m,) act(gate x) at those rows."""
         rows = idx.numpy().astype(np.int64)
-        up, down_T = self._read_rows(rows)  # (m, up_cols), (m, hidden)
         self.pool_rows_read += rows.shape[0]
+        if (
+            x.shape[0] == 1
+            and gate_at.dtype == torch.float32
+            and self.frames.dtype == torch.float32
+        ):
+            # The C kernel: each row's up and down_T read once where they lie (kept or
+            # just decoded), as SparseMLP's in-place float32 path does over a pool.
+            up, down_T, at = self._held_rows(rows)
+            return rows_mlp_split(x[0], gate_at, at, up, down_T).unsqueeze(0)
+        up, down_T = self._read_rows(rows)  # (m, up_cols), (m, hidden)
         h = gate_at * F.linear(x, up)  # (T, m)
         return h @ down_T  # (T, m) @ (m, hidden)
 

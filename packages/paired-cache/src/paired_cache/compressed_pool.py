@@ -46,9 +46,9 @@ def check_level(level) -> int:
 
 
 @dataclass(frozen=True)
-class CompressedLayer:
-    """One MLP's compressed pool inside the file: the frame offsets then the frames,
-    nbytes in all from offset. gate_cols is always 0 (no gate block)."""
+class GatelessLayer:
+    """What every compressed layer of a pool file records (formats 2 and 3): nbytes in
+    all from offset, sha256 over them; gate_cols is always 0 (no gate block)."""
 
     name: str
     n_rows: int
@@ -58,6 +58,11 @@ class CompressedLayer:
     offset: int
     nbytes: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class CompressedLayer(GatelessLayer):
+    """One MLP's compressed pool inside the file: the frame offsets then the frames."""
 
     @property
     def table_bytes(self) -> int:
@@ -130,6 +135,11 @@ class FrameReader:
         """Bytes of the frames of rows idx ((m,) int64)."""
         return int((self.offsets[idx + 1] - self.offsets[idx]).sum())
 
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every row's frame."""
+        return int(self.offsets[-1])
+
     def byte_runs(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(begins, ends): the file's byte range of each row's frame, rows idx ascending."""
         return self.begin + self.offsets[idx], self.begin + self.offsets[idx + 1]
@@ -189,6 +199,7 @@ __all__ = [
     "LEVELS",
     "CompressedLayer",
     "FrameReader",
+    "GatelessLayer",
     "check_level",
     "encode_layer",
     "read_offsets",

@@ -160,13 +160,16 @@ class _Progress:
         self.stream.flush()
 
 
+CODECS = ("zstd", "grid")  # convert's compress, besides True (zstd) and False
+
+
 def convert(
     source: str | os.PathLike,
     out: str | os.PathLike,
     *,
     gate: bool | None = None,
     progress: bool = True,
-    compress: bool = False,
+    compress: bool | str = False,
     compress_level: int = DEFAULT_LEVEL,
 ):
     """Write every gated MLP of the model at source into the pool file out. Nothing is
@@ -182,11 +185,14 @@ def convert(
             kernel multiplies and nothing else. None (the default): True, or False with
             compress.
         progress: draw a progress bar on stderr.
-        compress: write a compressed pool (format 2): no gate, and each neuron's up |
-            down_T row as one zstd frame, which load_sparse reads in place
-            (rows="in_place") with cats or the gated predictor, decompressing a token's
-            picked rows only.
-        compress_level: the zstd level, in [1, 22].
+        compress: write a compressed pool, which load_sparse reads in place
+            (rows="in_place") with cats or the gated predictor, decoding a token's picked
+            rows only. True or "zstd" (format 2): no gate, and each neuron's up | down_T
+            row as one zstd frame. "grid" (format 3): no gate, and each row as the Q4_1 or
+            Q8_0 codes its float32 weights were dequantized from (a GGUF's float copy),
+            decoded bit for bit; a model whose MLP weights are not exactly on such a grid
+            is refused by name, before anything is written.
+        compress_level: the zstd level, in [1, 22] (unused by "grid").
 
     Returns:
         The pool file's layers: a PoolLayer list (CompressedLayer with compress).
@@ -194,8 +200,8 @@ def convert(
     Raises:
         PairedCacheError: a bad argument, a missing source, or a model with no gated MLP.
     """
-    if not isinstance(compress, bool):
-        raise PairedCacheError(f"compress must be a bool, got {compress!r}")
+    if not (isinstance(compress, bool) or (isinstance(compress, str) and compress in CODECS)):
+        raise PairedCacheError(f"compress must be False, True, 'zstd' or 'grid', got {compress!r}")
     check_level(compress_level)
     if gate is None:
         gate = not compress
@@ -203,7 +209,7 @@ def convert(
         raise PairedCacheError(f"gate must be a bool, got {gate!r}")
     if gate and compress:
         raise PairedCacheError(
-            "gate=True with compress=True: a compressed pool holds no gate (the mask source "
+            f"gate=True with compress={compress!r}: a compressed pool holds no gate (the mask source "
             "reads gate_proj from the safetensors); leave gate unset"
         )
     source = Path(source)
@@ -217,9 +223,9 @@ def convert(
     layers = iter_mlp_weights(source)
     if not gate:
         layers = ((name, g[:, :0], up, down) for name, g, up, down in layers)
-    return write_pool_file(
-        out, layers, progress=bar, compress_level=compress_level if compress else None
-    )
+    grid = compress == "grid"
+    level = compress_level if compress and not grid else None
+    return write_pool_file(out, layers, progress=bar, compress_level=level, grid=grid)
 
 
 def save_dense(model: nn.Module, directory: str | os.PathLike, tokenizer=None) -> Path:

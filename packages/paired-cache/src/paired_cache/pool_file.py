@@ -10,6 +10,11 @@ Layout (format 1), little-endian:
                       gate_cols, up_cols, hidden, row_bytes, offset, sha256 of the pool bytes)
     last 48 bytes     u64 header length | sha256 of the header (32 bytes) | the magic again
 
+Format 3, a grid pool (write_pool_file's grid): as format 2, but each layer holds its
+rows as the block-quantized codes they were dequantized from (paired_cache.grid_pool); the
+header's codec is {"name": "grid", "block": 32} and each layer also records its up_kind
+and down_kind.
+
 Format 2, a compressed pool (write_pool_file's compress_level): the same magic, header
 and trailer; each layer (page-aligned, nbytes long) holds no gate, and its rows are zstd
 frames behind a table of their offsets (paired_cache.compressed_pool); the header also
@@ -47,10 +52,14 @@ from paired_cache.compressed_pool import (
     read_offsets,
 )
 from paired_cache.errors import PairedCacheError
+from paired_cache.grid_pool import BLOCK, KINDS, GridLayer, GridReader
+from paired_cache.grid_pool import CODEC as GRID_CODEC
+from paired_cache.grid_pool import encode_layer as encode_grid_layer
 
 MAGIC = b"PCPOOL\x00\x01"
 FORMAT_VERSION = 1
 COMPRESSED_FORMAT_VERSION = 2
+GRID_FORMAT_VERSION = 3
 PAGE = 4096
 TRAILER = struct.Struct("<Q32s8s")
 DTYPES = {
@@ -116,7 +125,8 @@ def write_pool_file(
     *,
     progress: Callable[[str], None] | None = None,
     compress_level: int | None = None,
-) -> list[PoolLayer] | list[CompressedLayer]:
+    grid: bool = False,
+) -> list[PoolLayer] | list[CompressedLayer] | list[GridLayer]:
     """Write each MLP's weights into a pool file.
 
     The file is written to a temporary name beside path and renamed: a failure leaves no
@@ -131,10 +141,18 @@ def write_pool_file(
         compress_level: None writes format 1 (rows as the C core reads them); a zstd
             level in [1, 22] writes format 2, one compressed frame per row of up | down_T
             (every gate must then be (N, 0): a compressed pool holds none).
+        grid: write format 3, each row as the grid codes its float32 weights were
+            dequantized from (paired_cache.grid_pool; gates (N, 0) as for format 2); a
+            layer not exactly on a grid is refused by name and nothing is left at path.
 
     Returns:
-        The layers written: PoolLayer (format 1) or CompressedLayer (format 2) each.
+        The layers written: PoolLayer (format 1), CompressedLayer (format 2) or GridLayer
+        (format 3) each.
     """
+    if not isinstance(grid, bool):
+        raise PairedCacheError(f"grid must be a bool, got {grid!r}")
+    if grid and compress_level is not None:
+        raise PairedCacheError("grid=True takes no compress_level: a grid pool is not zstd")
     if compress_level is not None:
         check_level(compress_level)
     path = Path(path)
@@ -149,8 +167,8 @@ def write_pool_file(
                     dtype = up.dtype
                 _check_layer(name, gate, up, down, dtype)
                 n, g, u, hidden = up.shape[0], gate.shape[1], up.shape[1], down.shape[0]
-                if compress_level is not None:
-                    written.append(_write_compressed(f, name, gate, up, down, compress_level))
+                if grid or compress_level is not None:
+                    written.append(_write_gateless(f, name, gate, up, down, compress_level))
                     if progress is not None:
                         progress(name)
                     continue
@@ -176,6 +194,9 @@ def write_pool_file(
             if compress_level is not None:
                 meta["format_version"] = COMPRESSED_FORMAT_VERSION
                 meta["codec"] = {"name": CODEC, "level": compress_level}
+            if grid:
+                meta["format_version"] = GRID_FORMAT_VERSION
+                meta["codec"] = {"name": GRID_CODEC, "block": BLOCK}
             header = json.dumps(meta).encode()
             f.write(header)
             f.write(TRAILER.pack(len(header), hashlib.sha256(header).digest(), MAGIC))
@@ -189,18 +210,24 @@ def write_pool_file(
     return written
 
 
-def _write_compressed(f, name, gate, up, down, level) -> CompressedLayer:
-    """Write one layer's frame offsets and frames at the next page of f."""
+def _write_gateless(f, name, gate, up, down, level: int | None) -> CompressedLayer | GridLayer:
+    """Write one compressed layer at the next page of f: zstd frames at ``level``, or grid
+    records (level None)."""
     if gate.shape[1]:
         raise PairedCacheError(
             f"{name}: a compressed pool holds no gate (the mask source reads gate_proj from "
             f"the safetensors); pass a gate of shape (N, 0)"
         )
+    kinds: list[str] = []
+    if level is None:
+        data, up_kind, down_kind = encode_grid_layer(name, up, down)
+        kinds = [up_kind, down_kind]
+    else:
+        data = encode_layer(up, down, level)[0]
     offset = -(-f.tell() // PAGE) * PAGE
     f.write(bytes(offset - f.tell()))
-    data, _ = encode_layer(up, down, level)
     f.write(data)
-    return CompressedLayer(
+    return (GridLayer if level is None else CompressedLayer)(
         name,
         up.shape[0],
         0,
@@ -209,6 +236,7 @@ def _write_compressed(f, name, gate, up, down, level) -> CompressedLayer:
         offset,
         len(data),
         hashlib.sha256(data).hexdigest(),
+        *kinds,
     )
 
 
@@ -269,7 +297,9 @@ class PoolFile(MappedPages):
                 raise PairedCacheError(f"{self.path}: layer entry {raw!r:.80} has no name")
             if not isinstance(raw.get("sha256"), str) or len(raw["sha256"]) != 64:
                 raise PairedCacheError(f"{self.path}: layer {raw['name']} has no sha256")
-            if self.codec is not None:
+            if self.grid:
+                self._add_grid(raw, header_start)
+            elif self.codec is not None:
                 self._add_compressed(raw, header_start)
             else:
                 self._add_layer(raw, header_start)
@@ -303,14 +333,24 @@ class PoolFile(MappedPages):
             meta = json.loads(header)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PairedCacheError(f"{self.path}: header is not JSON ({exc})") from None
-        versions = (FORMAT_VERSION, COMPRESSED_FORMAT_VERSION)
+        versions = (FORMAT_VERSION, COMPRESSED_FORMAT_VERSION, GRID_FORMAT_VERSION)
         if not isinstance(meta, dict) or meta.get("format_version") not in versions:
             raise PairedCacheError(
                 f"{self.path}: format_version {meta.get('format_version') if isinstance(meta, dict) else meta!r}"
                 f", expected one of {versions}"
             )
-        # codec: None for format 1, else {"name": CODEC, "level": int}.
+        # codec: None for format 1, {"name": CODEC, "level": int} for format 2,
+        # {"name": "grid", "block": 32} for format 3.
         self.codec = None
+        self.grid = meta["format_version"] == GRID_FORMAT_VERSION
+        if self.grid:
+            codec = meta.get("codec")
+            if codec != {"name": GRID_CODEC, "block": BLOCK}:
+                raise PairedCacheError(
+                    f"{self.path}: format_version {GRID_FORMAT_VERSION} with codec "
+                    f"{codec!r:.80}; expected {{'name': {GRID_CODEC!r}, 'block': {BLOCK}}}"
+                )
+            self.codec = codec
         if meta["format_version"] == COMPRESSED_FORMAT_VERSION:
             codec = meta.get("codec")
             if not isinstance(codec, dict) or codec.get("name") != CODEC:
@@ -375,13 +415,44 @@ class PoolFile(MappedPages):
         )
         self.layers.append(layer)
 
+    def _add_grid(self, raw: dict, header_start: int) -> None:
+        """Check and add one format-3 layer."""
+        n = _field(raw, "n_rows", BLOCK, MAX_DIM)
+        _field(raw, "gate_cols", 0, 0)
+        u = _field(raw, "up_cols", BLOCK, MAX_DIM)
+        h = _field(raw, "hidden", 1, MAX_DIM)
+        offset = _field(raw, "offset", len(MAGIC), header_start)
+        nbytes = _field(raw, "nbytes", 0, header_start)
+        kinds = (raw.get("up_kind"), raw.get("down_kind"))
+        if self.dtype != torch.float32 or any(k not in KINDS for k in kinds):
+            raise PairedCacheError(
+                f"{self.path}: layer {raw['name']} of a grid pool has dtype {self.dtype}, "
+                f"kinds {kinds!r}; expected float32 and kinds among {sorted(KINDS)}"
+            )
+        layer = GridLayer(raw["name"], n, 0, u, h, offset, nbytes, raw["sha256"], *kinds)
+        if n % BLOCK or u % BLOCK or nbytes != layer.expected_bytes:
+            raise PairedCacheError(
+                f"{self.path}: layer {raw['name']} of {n} rows, up_cols {u}, hidden {h} holds "
+                f"{nbytes} bytes; a grid layer of its kinds holds {layer.expected_bytes}"
+            )
+        if offset % PAGE or offset + nbytes > header_start:
+            raise PairedCacheError(
+                f"{self.path}: layer {raw['name']} at offset {offset} ({nbytes} bytes) is not "
+                f"page-aligned or runs past the pools' end ({header_start})"
+            )
+        data = memoryview(self._mmap)[offset : offset + nbytes]
+        self._frames.append(GridReader(data, offset, n, u, h, *kinds))
+        self.layers.append(layer)
+
     @property
     def compressed(self) -> bool:
-        """True for a format-2 pool: zstd frames, read by frame_reader, no gate."""
+        """True for a format-2 or format-3 pool: zstd frames or grid records, read by
+        frame_reader, no gate."""
         return self.codec is not None
 
-    def frame_reader(self, layer: int | str) -> FrameReader:
-        """The FrameReader of a compressed pool's layer (PairedCacheError for format 1)."""
+    def frame_reader(self, layer: int | str) -> FrameReader | GridReader:
+        """The reader of a compressed pool's layer: a FrameReader (format 2) or a
+        GridReader (format 3); PairedCacheError for format 1."""
         if not self.compressed:
             raise PairedCacheError(f"{self.path} is not a compressed pool (format 1)")
         return self._frames[self.resolve(layer)]
@@ -497,6 +568,7 @@ def process_rss() -> dict[str, int]:
 __all__ = [
     "COMPRESSED_FORMAT_VERSION",
     "FORMAT_VERSION",
+    "GRID_FORMAT_VERSION",
     "PoolFile",
     "PoolLayer",
     "mapping_rss",

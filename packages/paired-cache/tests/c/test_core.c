@@ -329,7 +329,8 @@ static void test_pool_row_stride(void) {
 
 /* pc_rows_mlp_f32 against a double-precision sum over the same pool rows: column counts
  * that are and are not multiples of the 8- and 16-float steps, an empty and a full pick,
- * ids in any order, and the refusals (not float32, an id out of range) leaving out as it was. */
+ * ids in any order, and the refusals (not float32, an id out of range) leaving out as it was;
+ * pc_rows_mlp_split_f32 over the same rows in two arrays gives the same bits. */
 static void test_rows_mlp(int64_t n, int64_t gate, int64_t up, int64_t hidden, int mapped) {
     pc_config cfg = base_config(n, gate, up, hidden, 4, n);
     size_t stride = (size_t)pc_pool_row_stride(gate, up, hidden, 4);
@@ -359,6 +360,9 @@ static void test_rows_mlp(int64_t n, int64_t gate, int64_t up, int64_t hidden, i
     double *want = malloc((size_t)hidden * sizeof(double));
     double *mag = malloc((size_t)hidden * sizeof(double)); /* the sum of |terms| per column */
     int32_t *idx = malloc((size_t)n * sizeof(int32_t));
+    float *split_up = malloc((size_t)(n * up) * sizeof(float));
+    float *split_down = malloc((size_t)(n * hidden) * sizeof(float));
+    float *split_out = malloc((size_t)hidden * sizeof(float));
     for (int64_t c = 0; c < up; c++) x[c] = (float)((int64_t)(next_u64() % 2001) - 1000) / 500.0f;
     for (int trial = 0; trial < 20; trial++) {
         int64_t m = trial == 0 ? 0 : trial == 1 ? n : (int64_t)(next_u64() % (uint64_t)(n + 1));
@@ -386,7 +390,35 @@ static void test_rows_mlp(int64_t n, int64_t gate, int64_t up, int64_t hidden, i
             CHECK(fabs(out[c] - want[c]) <= 6e-8 * (double)(up + m + 2) * mag[c] + 1e-30,
                   "rows_mlp n=%lld up=%lld hidden=%lld m=%lld col %lld: %g != %g", (long long)n,
                   (long long)up, (long long)hidden, (long long)m, (long long)c, out[c], want[c]);
+        /* pc_rows_mlp_split_f32 over the same rows in two arrays (all n rows, read at idx):
+         * the same products in the same order, so the same bits. */
+        for (int64_t r = 0; r < n; r++) {
+            const float *row = (const float *)(base + (size_t)r * stride);
+            memcpy(split_up + r * up, row + gate, (size_t)up * sizeof(float));
+            memcpy(split_down + r * hidden, row + gate + up, (size_t)hidden * sizeof(float));
+        }
+        for (int64_t c = 0; c < hidden; c++) split_out[c] = -1.0f;
+        CHECK(pc_rows_mlp_split_f32(x, g, idx, m, split_up, split_down, n, up, hidden, split_out) ==
+                  PC_OK,
+              "rows_mlp_split m=%lld", (long long)m);
+        CHECK(memcmp(out, split_out, (size_t)hidden * sizeof(float)) == 0,
+              "rows_mlp_split differs from rows_mlp (m=%lld)", (long long)m);
     }
+    for (int64_t c = 0; c < hidden; c++) split_out[c] = 7.0f;
+    idx[0] = (int32_t)n;
+    CHECK(pc_rows_mlp_split_f32(x, g, idx, 1, split_up, split_down, n, up, hidden, split_out) ==
+              PC_ERR_INVALID,
+          "split: id N accepted");
+    CHECK(pc_rows_mlp_split_f32(x, g, idx, 1, NULL, split_down, n, up, hidden, split_out) ==
+              PC_ERR_CONFIG,
+          "split: NULL up accepted");
+    CHECK(pc_rows_mlp_split_f32(x, g, idx, 1, split_up, split_down, n, 0, hidden, split_out) ==
+              PC_ERR_CONFIG,
+          "split: up_cols 0 accepted");
+    for (int64_t c = 0; c < hidden; c++) CHECK(split_out[c] == 7.0f, "a refused split call wrote out");
+    free(split_up);
+    free(split_down);
+    free(split_out);
     for (int64_t c = 0; c < hidden; c++) out[c] = 7.0f;
     idx[0] = (int32_t)n;
     CHECK(pc_rows_mlp_f32(cache, x, g, idx, 1, out) == PC_ERR_INVALID, "id N accepted");

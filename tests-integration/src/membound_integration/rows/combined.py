@@ -1,7 +1,8 @@
 """The three SmolLM2 packages stacked (membound_integration.stack): the model built from
 storage by paired-cache's ``load_sparse`` (every MLP a SparseMLP at 50% rows over a
-compressed pool: each neuron's up | down_T row one zstd frame, and a token decompresses
-the frames the trained predictor picked), zstd-linear's ``load_compressed`` of every
+grid pool: each neuron's up and down_T rows as the Q4_1 codes SmolLM2's float copy was
+dequantized from, 648 bytes a row, and a token decodes the rows the trained predictor
+picked, bit for bit), zstd-linear's ``load_compressed`` of every
 attention projection, every MLP's gate (the predictor reads all of it every token) and
 the tied embedding (``budget(memory_limit="auto")``, as the zstd-linear row), and bmrt-kv
 bounding the KV cache below the sequence's length.
@@ -31,9 +32,11 @@ from membound_integration.rows.paired_cache import pool_path, predictor_path
 FRACTION = 0.5
 BUDGET = 32
 BLOCK = 16
-# The pool the stacked row reads: "zstd" (each row a zstd frame) or "float32" (the
-# gate-less pool of the paired-cache row).
-POOL = os.environ.get("MEMBOUND_STACK_POOL", "zstd")
+# The pool the stacked row reads: "grid" (each row the Q4_1 codes SmolLM2's float copy
+# was dequantized from, decoded bit for bit), "zstd" (each row a zstd frame) or "float32"
+# (the gate-less pool of the paired-cache row).
+POOL = os.environ.get("MEMBOUND_STACK_POOL", "grid")
+COMPRESSED_POOLS = ("grid", "zstd")
 # paired-cache's keep_cached: a byte count, "auto" or "none".
 _KEEP = os.environ.get("MEMBOUND_STACK_KEEP", "0")
 KEEP_CACHED = int(_KEEP) if _KEEP.isdigit() else {"auto": "auto", "none": None}[_KEEP]
@@ -47,17 +50,19 @@ POLICY = {
 }[os.environ.get("MEMBOUND_STACK_POLICY", "budget")]
 
 
-def compressed_pool_path():
-    """The SmolLM2 compressed pool file (``convert(..., compress=True)``: no gate, each
-    row a zstd frame), written on first use."""
+def compressed_pool_path(codec: str | None = None):
+    """The SmolLM2 compressed pool file of ``codec`` (default: POOL's; ``convert(...,
+    compress=codec)``: no gate, each row a zstd frame or grid codes), written on first
+    use."""
     import paired_cache
     from membound_testing import smollm2_float_dir
     from paired_cache.model_io import convert
 
+    codec = codec or POOL
     source = smollm2_float_dir()
-    path = source.parent / f"{source.name}-paired-cache-{paired_cache.__version__}-zstd.pcpool"
+    path = source.parent / f"{source.name}-paired-cache-{paired_cache.__version__}-{codec}.pcpool"
     if not path.is_file():
-        convert(source, path, compress=True, progress=False)  # written atomically
+        convert(source, path, compress=codec, progress=False)  # written atomically
     return path
 
 
@@ -86,13 +91,13 @@ def combined_row() -> Row:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     model = load_stacked(
         model_dir,
-        compressed_pool_path() if POOL == "zstd" else pool_path(),
+        compressed_pool_path() if POOL in COMPRESSED_POOLS else pool_path(),
         rest_zlin_path(),
         "trained",
         FRACTION,
         predictor=predictor_path(),
         keep_cached=KEEP_CACHED,
-        keep_decoded=KEEP_DECODED if POOL == "zstd" else None,
+        keep_decoded=KEEP_DECODED if POOL in COMPRESSED_POOLS else None,
         **POLICY,
     )
     config = model.config
