@@ -108,7 +108,7 @@ def test_kept_rows_over_a_grid_pool_are_decoded_once(models):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    groups=st.integers(1, 3),
+    groups=st.integers(1, 5),  # up to 160 rows: decoded DECODE_ROWS at a time
     blocks=st.integers(1, 3),
     hidden=st.integers(1, 9),
     kinds=st.sampled_from([(q4_1, q4_1), (q4_1, q8_0), (q8_0, q4_1), (q8_0, q8_0)]),
@@ -138,6 +138,42 @@ def test_grid_rows_round_trip_bit_for_bit(groups, blocks, hidden, kinds, constan
     all_up, all_down = reader.rows()
     assert torch.equal(all_up.view(torch.int32), up.view(torch.int32))
     assert torch.equal(all_down.view(torch.int32), down.t().contiguous().view(torch.int32))
+    # Into a scratch: the same bits, in the tensors given.
+    out = (torch.full((len(rows), up_cols), float("nan")), torch.empty(len(rows), hidden))
+    got = reader.rows(rows, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0].view(torch.int32), up[rows].view(torch.int32))
+    assert torch.equal(out[1].view(torch.int32), down.t()[rows].contiguous().view(torch.int32))
+
+
+def test_the_layers_decode_into_one_shared_scratch(models):
+    """Every layer of a pool file decodes into one buffer, made once: a dense prefill
+    (every row of a layer) and then single tokens, over both prefills and kept rows."""
+    model_dir, _, grid = models["llama"]
+    model = load_sparse(model_dir, grid, "cats", 0.5)
+    layers = mlps(model)
+    assert len({id(m.scratch) for m in layers}) == 1
+    logits(model)  # the prompt: every row of each layer, decoded in turn
+    buffer = layers[0].scratch._local.buf
+    f = layers[0].frames
+    assert buffer.numel() == f.n_rows * (f.up_cols + f.hidden)
+    for t in range(3):
+        logits(model, IDS[:, t : t + 1])
+    assert layers[0].scratch._local.buf is buffer  # not made again
+
+
+def test_rows_into_a_wrong_scratch_are_refused(models):
+    _, _, grid = models["llama"]
+    reader = PoolFile(grid).frame_reader(0)
+    rows = np.arange(3, dtype=np.int64)
+    good = (torch.empty(3, reader.up_cols), torch.empty(3, reader.hidden))
+    for bad in (
+        (good[0][:2], good[1]),
+        (good[0], good[1].double()),
+        (torch.empty(reader.up_cols, 3).t(), good[1]),
+    ):
+        with pytest.raises(PairedCacheError, match=r"rows\(out=\.\.\.\) needs contiguous"):
+            reader.rows(rows, out=bad)
 
 
 def test_weights_off_the_grid_are_refused_by_name_and_nothing_written(tmp_path):

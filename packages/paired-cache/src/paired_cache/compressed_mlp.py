@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from paired_cache.cache import rows_mlp_split
-from paired_cache.compressed_pool import CompressedLayer, FrameReader
+from paired_cache.compressed_pool import CompressedLayer, FrameReader, RowScratch
 from paired_cache.errors import PairedCacheError
 from paired_cache.grid_pool import GridReader
 from paired_cache.mask_sources import Activation, MaskSource
@@ -25,8 +25,8 @@ from paired_cache.sparse_mlp import SparseMLP, _layer_options, check_in_place_wi
 class CompressedSparseMLP(SparseMLP):
     """down(act(gate x) * up x) over the rows a mask source picks, read in place from a
     compressed pool: the gate is the gate_proj child (mapped from the safetensors; the
-    pool holds none), and a token's rows are decompressed in one call into temporaries
-    freed after the layer. No PairedCache and no active rows: rows="in_place", window 1.
+    pool holds none), and a token's rows are decoded into a scratch the pool file's
+    layers share (``RowScratch``), reused from token to token. No PairedCache and no active rows: rows="in_place", window 1.
     ``keep_decoded(True)`` keeps every row decompressed so far (at most the layer's
     ``decoded_bytes``) and reads only the rows not yet kept.
 
@@ -41,9 +41,11 @@ class CompressedSparseMLP(SparseMLP):
         act: Activation,
         source: MaskSource,
         prefill: str = "sparse",
+        scratch: RowScratch | None = None,
     ) -> None:
-        """frames: the layer's FrameReader (zstd) or GridReader (grid); gate: (N, up_cols) the gate weights; source: a
-        mask source that returns act(gate x) (gives_gate)."""
+        """frames: the layer's FrameReader (zstd) or GridReader (grid); gate: (N, up_cols)
+        the gate weights; source: a mask source that returns act(gate x) (gives_gate);
+        scratch: where decoded rows are written (a new one when None)."""
         CachedMLP.__init__(self)
         check_prefill(prefill)
         if not source.gives_gate or source.n_rows != frames.n_rows:
@@ -61,6 +63,8 @@ class CompressedSparseMLP(SparseMLP):
         self._bytes_read = 0
         self._kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._all_kept = False
+        # Where decoded rows go; from_pool_file shares its pool file's between layers.
+        self.scratch = scratch if scratch is not None else RowScratch()
         self.use_gate_proj(gate)
 
     @property
@@ -98,7 +102,8 @@ class CompressedSparseMLP(SparseMLP):
 
     def _decode(self, idx: np.ndarray | None, ask: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(up, down_T) of rows idx ((m,) int64 ascending; None: every row) decompressed
-        from the pool; counts their bytes, and first asks will_read_rows for them (ask)."""
+        from the pool into the scratch (valid until the next decode of a layer sharing
+        it); counts their bytes, and first asks will_read_rows for them (ask)."""
         f = self.frames
         if idx is None:
             self._bytes_read += f.total_bytes
@@ -106,7 +111,8 @@ class CompressedSparseMLP(SparseMLP):
             if ask and self.will_read_rows is not None and idx.shape[0]:
                 self.will_read_rows(torch.from_numpy(idx))
             self._bytes_read += f.compressed_bytes(idx)
-        return f.rows(idx)
+        m = f.n_rows if idx is None else int(idx.shape[0])
+        return f.rows(idx, out=self.scratch.take(m, f.up_cols, f.hidden, f.dtype))
 
     def _fill_kept(self, at: torch.Tensor | None) -> None:
         """Decompress into the kept rows those of ``at`` ((m,) int64; None: every row) not
@@ -215,7 +221,7 @@ class CompressedSparseMLP(SparseMLP):
         _check_gives_gate(spec, source, options)
         _check_gate(pool_file, spec, gate)
         src = make_source(source, gate, None, act, fraction, calibration, **options)
-        sparse = cls(pool_file.frame_reader(index), gate, act, src, prefill)
+        sparse = cls(pool_file.frame_reader(index), gate, act, src, prefill, pool_file.scratch)
         sparse._will_read_pool = functools.partial(pool_file.will_need, index)
         return sparse
 

@@ -22,6 +22,7 @@ still fails its own checksum when decompressed.
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,9 @@ CODEC = "zstd"
 DEFAULT_LEVEL = 3
 LEVELS = (1, 22)
 OFFSET = np.dtype("<u8")
+# Rows decoded at a time by a reader's rows(): a decode's temporaries stay a few of
+# (DECODE_ROWS, up_cols + hidden) elements however many rows it decodes.
+DECODE_ROWS = 64
 
 
 def check_level(level) -> int:
@@ -144,21 +148,34 @@ class FrameReader:
         """(begins, ends): the file's byte range of each row's frame, rows idx ascending."""
         return self.begin + self.offsets[idx], self.begin + self.offsets[idx + 1]
 
-    def rows(self, idx: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows idx ((m,) int64 ascending; None: every row), decompressed in one call:
-        (up (m, up_cols), down_T (m, hidden)), each contiguous, in the pool's dtype."""
+    def rows(
+        self,
+        idx: np.ndarray | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows idx ((m,) int64 ascending; None: every row), decompressed: (up (m,
+        up_cols), down_T (m, hidden)), each contiguous, in the pool's dtype.
+
+        DECODE_ROWS frames are decompressed per call, so the temporaries of a decode stay
+        small whatever m is. ``out``: two contiguous tensors of those shapes and the pool's
+        dtype to decompress into (a reused scratch), returned; fresh tensors when None."""
         if idx is None:
             idx = np.arange(self.n_rows, dtype=np.int64)
         m = idx.shape[0]
-        if m == 0:
-            return (
-                torch.empty(0, self.up_cols, dtype=self.dtype),
-                torch.empty(0, self.hidden, dtype=self.dtype),
-            )
-        segments = np.empty((m, 2), dtype=OFFSET)  # (offset, length) of each frame
+        up, down = check_out(out, m, self.up_cols, self.hidden, self.dtype)
+        for s in range(0, m, DECODE_ROWS):
+            e = min(m, s + DECODE_ROWS)
+            self._decompress_into(idx[s:e], up[s:e], down[s:e])
+        return up, down
+
+    def _decompress_into(self, idx: np.ndarray, up: torch.Tensor, down: torch.Tensor) -> None:
+        """The frames of rows idx ((n,) int64), decompressed in one call and copied into up
+        (n, up_cols) and down (n, hidden)."""
+        n = idx.shape[0]
+        segments = np.empty((n, 2), dtype=OFFSET)  # (offset, length) of each frame
         segments[:, 0] = self.offsets[idx]
         segments[:, 1] = self.offsets[idx + 1] - self.offsets[idx]
-        sizes = np.full(m, self.frame_size, dtype=OFFSET)
+        sizes = np.full(n, self.frame_size, dtype=OFFSET)
         try:
             out = self._decompressor.multi_decompress_to_buffer(
                 zstandard.BufferWithSegments(self.frames, segments.tobytes()),
@@ -166,14 +183,61 @@ class FrameReader:
             )
         except zstandard.ZstdError as exc:
             raise PairedCacheError(f"a compressed pool frame is damaged ({exc})") from None
-        # A view of out's buffer, copied into up and down while out is referenced here
-        # (clone, not contiguous(): a slice that is already contiguous would stay a view).
-        rows = torch.from_numpy(_contiguous(out, m, self.frame_size)).view(self.dtype)
-        rows = rows.view(m, self.up_cols + self.hidden)
-        up = rows[:, : self.up_cols].clone(memory_format=torch.contiguous_format)
-        down = rows[:, self.up_cols :].clone(memory_format=torch.contiguous_format)
-        del out
-        return up, down  # (m, up_cols), (m, hidden)
+        # A view of out's buffer, copied into up and down while out is referenced here.
+        rows = torch.from_numpy(_contiguous(out, n, self.frame_size)).view(self.dtype)
+        rows = rows.view(n, self.up_cols + self.hidden)
+        up.copy_(rows[:, : self.up_cols])
+        down.copy_(rows[:, self.up_cols :])
+        del rows, out
+
+
+def check_out(
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    m: int,
+    up_cols: int,
+    hidden: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (up (m, up_cols), down_T (m, hidden)) tensors a reader's rows() decodes into:
+    ``out``'s, checked, or fresh ones."""
+    if out is None:
+        return torch.empty(m, up_cols, dtype=dtype), torch.empty(m, hidden, dtype=dtype)
+    up, down = out
+    for t, shape in ((up, (m, up_cols)), (down, (m, hidden))):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise PairedCacheError(
+                f"rows(out=...) needs contiguous {dtype} tensors of shapes {(m, up_cols)} and "
+                f"{(m, hidden)}, got {t.dtype} {tuple(t.shape)}"
+            )
+    return up, down
+
+
+class RowScratch:
+    """The memory a pool's layers decode rows into, one buffer per thread, reused.
+
+    Layers run one after another, so the layers of one pool file share it: a forward
+    pass allocates its decoded rows once (the largest, a dense prefill's every row of a
+    layer), where each decode allocating its own would leave the allocator's heap
+    fragmented by tensors of a few MiB, and the process's anonymous memory growing.
+    What ``take`` returns is valid until the next ``take`` on the same thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def take(
+        self, m: int, up_cols: int, hidden: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up (m, up_cols), down_T (m, hidden)), contiguous views of the scratch."""
+        need = m * (up_cols + hidden)
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.dtype != dtype or buf.numel() < need:
+            # Outside inference mode: a buffer first made under it could not be written
+            # in a later call made under torch.no_grad() only.
+            with torch.inference_mode(False):
+                self._local.buf = buf = None  # the old one freed before the new is made
+                buf = self._local.buf = torch.empty(need, dtype=dtype)
+        up = buf[: m * up_cols].view(m, up_cols)
+        return up, buf[m * up_cols : need].view(m, hidden)
 
 
 def _contiguous(out, m: int, frame_size: int) -> np.ndarray:
@@ -195,12 +259,15 @@ def _contiguous(out, m: int, frame_size: int) -> np.ndarray:
 
 __all__ = [
     "CODEC",
+    "DECODE_ROWS",
     "DEFAULT_LEVEL",
     "LEVELS",
     "CompressedLayer",
     "FrameReader",
     "GatelessLayer",
+    "RowScratch",
     "check_level",
+    "check_out",
     "encode_layer",
     "read_offsets",
 ]

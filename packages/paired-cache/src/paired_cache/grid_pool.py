@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paired_cache.compressed_pool import GatelessLayer
+from paired_cache.compressed_pool import DECODE_ROWS, GatelessLayer, check_out
 from paired_cache.errors import PairedCacheError
 
 CODEC = "grid"
@@ -269,30 +269,49 @@ class GridReader:
         begins = self.begin + idx * self.record_bytes
         return begins, begins + self.record_bytes
 
-    def rows(self, idx: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(
+        self,
+        idx: np.ndarray | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows idx ((m,) int64 ascending; None: every row), decoded: (up (m, up_cols),
-        down_T (m, hidden)), each contiguous float32, bit for bit the weights written."""
-        if idx is None:
-            records = torch.from_numpy(np.array(self.records))
-            groups = torch.arange(self.n_rows) // BLOCK
-        else:
-            records = torch.from_numpy(self.records[idx])  # a copy: the rows' pages read
-            groups = torch.from_numpy(idx) // BLOCK
-        m = records.shape[0]
-        if m == 0:
-            return torch.empty(0, self.up_cols), torch.empty(0, self.hidden)
+        down_T (m, hidden)), each contiguous float32, bit for bit the weights written.
+
+        The rows are decoded DECODE_ROWS at a time, so the temporaries of a decode stay
+        small whatever m is. ``out``: two contiguous float32 tensors of those shapes to
+        decode into (a reused scratch), returned; fresh tensors when None."""
+        m = self.n_rows if idx is None else int(idx.shape[0])
+        up, down = check_out(out, m, self.up_cols, self.hidden, torch.float32)
+        for s in range(0, m, DECODE_ROWS):
+            e = min(m, s + DECODE_ROWS)
+            if idx is None:
+                records = torch.from_numpy(np.array(self.records[s:e]))  # the pages read
+                groups = torch.arange(s, e) // BLOCK
+            else:
+                records = torch.from_numpy(self.records[idx[s:e]])  # a copy: pages read
+                groups = torch.from_numpy(idx[s:e]) // BLOCK
+            self._decode_block(records, groups, up[s:e], down[s:e])
+        return up, down
+
+    def _decode_block(
+        self, records: torch.Tensor, groups: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        """records (n, record_bytes) uint8, groups (n,) their down scale rows -> up (n,
+        up_cols) and down (n, hidden), written in place: d * q (+ m), one float32 rounding
+        per operation (dequantize's)."""
+        n = records.shape[0]
         a, b, c = self._cuts
         nb = self.up_cols // BLOCK
-        q_up = _unpack(self.up_kind, records[:, :a], self.up_cols).view(m, nb, BLOCK)
-        d_up = _owned(records[:, a:b]).view(F16)
-        m_up = _owned(records[:, b:c]).view(F16) if c > b else None
-        up = dequantize(self.up_kind, q_up, d_up, m_up).view(m, self.up_cols)
+        q_up = _unpack(self.up_kind, records[:, :a], self.up_cols).view(n, nb, BLOCK)
+        d_up = _owned(records[:, a:b]).view(F16).float().unsqueeze(-1)  # (n, nb, 1)
+        blocks = up.view(n, nb, BLOCK)
+        torch.mul(d_up, q_up, out=blocks)
+        if c > b:
+            blocks.add_(_owned(records[:, b:c]).view(F16).float().unsqueeze(-1))
         q_down = _unpack(self.down_kind, _owned(records[:, c:]), self.hidden)
-        d_down = self.down_d.index_select(0, groups).float()
-        down = d_down * q_down
+        torch.mul(self.down_d.index_select(0, groups).float(), q_down, out=down)
         if self.down_m is not None:
-            down = down + self.down_m.index_select(0, groups).float()
-        return up, down
+            down.add_(self.down_m.index_select(0, groups).float())
 
 
 __all__ = [

@@ -47,6 +47,7 @@ from paired_cache.compressed_pool import (
     CODEC,
     CompressedLayer,
     FrameReader,
+    RowScratch,
     check_level,
     encode_layer,
     read_offsets,
@@ -292,6 +293,7 @@ class PoolFile(MappedPages):
         meta = self._read_meta(header)
         self.layers: list[PoolLayer] | list[CompressedLayer] = []
         self._frames: list[FrameReader] = []
+        self.scratch = RowScratch()  # what its layers decode rows into, shared
         for raw in meta["layers"]:
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise PairedCacheError(f"{self.path}: layer entry {raw!r:.80} has no name")
