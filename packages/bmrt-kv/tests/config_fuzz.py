@@ -41,6 +41,7 @@ _BASE = dict(
     positions="absolute",
     granularity="head",
     seed=0,
+    decode_block=1,
 )
 GOOD = {
     "exact": {**_BASE, "selector_options": {"kernel": 3}},
@@ -71,14 +72,20 @@ GOOD = {
         "scoring": "query_aware",
         "question_weight": 0.9,
     },
-    "h2o": {**_BASE, "selector": "h2o", "scoring": "query_aware", "seed": 123},
+    "h2o": {**_BASE, "selector": "h2o", "scoring": "query_aware", "seed": 123, "decode_block": 3},
     "snapkv": {
         **_BASE,
         "protection_divisor": 3,
         "selector": "snapkv",
         "selector_options": {"window": 8, "kernel": 5},
     },
-    "keydiff": {**_BASE, "selector": "keydiff", "block_size": 4, "positions": "rerotate"},
+    "keydiff": {
+        **_BASE,
+        "selector": "keydiff",
+        "block_size": 4,
+        "positions": "rerotate",
+        "decode_block": 4,
+    },
 }
 
 
@@ -168,6 +175,13 @@ def config_valid(kwargs, defaults: dict) -> bool:
         return False
     n_protected = c["budget"] // c["protection_divisor"]
     if n_protected < 1 or c["budget"] - 2 * n_protected < 1:
+        return False
+    # decode_block: decoding steps held above the budget, at most the block in effect
+    # (block_size, or 512 capped at the budget, at twice it under query-aware scoring).
+    block = c["block_size"]
+    if block is None:
+        block = min(512, (2 if c["scoring"] == "query_aware" else 1) * c["budget"])
+    if not _int(c["decode_block"], 1, block):
         return False
     return options_valid(c["selector"], c["selector_options"])
 

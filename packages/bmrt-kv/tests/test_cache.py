@@ -28,9 +28,10 @@ def feed(model, cache, ids, block):
     selector=st.sampled_from(sorted(SELECTORS)),
     positions=st.sampled_from(["absolute", "rerotate"]),
     granularity=st.sampled_from(["head", "layer"]),
+    decode_block=st.integers(1, 16),
 )
 def test_budget_at_least_length_equals_full_cache(
-    tiny_models, family, seed, length, block, slack, selector, positions, granularity
+    tiny_models, family, seed, length, block, slack, selector, positions, granularity, decode_block
 ):
     model = tiny_models[family]
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
@@ -43,6 +44,7 @@ def test_budget_at_least_length_equals_full_cache(
         selector=selector,
         positions=positions,
         granularity=granularity,
+        decode_block=min(decode_block, block),
     )
     got = feed(model, BMRTCache(model, config), ids, block)
     torch.testing.assert_close(got, reference, rtol=0, atol=1e-5)
@@ -101,11 +103,26 @@ def layer0_full_keys(model, ids):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**16), length=st.integers(20, 80), block=st.integers(1, 12))
-def test_kept_tokens_keep_their_original_positions(llama, seed, length, block):
+@given(
+    seed=st.integers(0, 2**16),
+    length=st.integers(20, 80),
+    block=st.integers(1, 12),
+    steps=st.integers(0, 9),
+    decode_block=st.integers(1, 6),
+)
+def test_kept_tokens_keep_their_original_positions(llama, seed, length, block, steps, decode_block):
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-    cache = BMRTCache(llama, budget=15, protection_divisor=5, block_size=block, selector="exact")
-    feed(llama, cache, ids, block)
+    cache = BMRTCache(
+        llama,
+        budget=15,
+        protection_divisor=5,
+        block_size=max(block, decode_block),
+        selector="exact",
+        decode_block=decode_block,
+    )
+    feed(llama, cache, ids[:, : length - steps], block)
+    if steps:
+        feed(llama, cache, ids[:, length - steps :], 1)  # decoding steps, some held
     layer = cache.layers[0]
     full = layer0_full_keys(llama, ids)
     # Layer 0's keys depend only on the token and its position, so a kept key equals the
@@ -115,17 +132,33 @@ def test_kept_tokens_keep_their_original_positions(llama, seed, length, block):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**16), length=st.integers(20, 80), block=st.integers(1, 12))
-def test_rerotate_places_kept_keys_just_before_the_next_query(llama, seed, length, block):
+@given(
+    seed=st.integers(0, 2**16),
+    length=st.integers(20, 80),
+    block=st.integers(1, 12),
+    steps=st.integers(0, 9),
+    decode_block=st.integers(1, 6),
+)
+def test_rerotate_places_kept_keys_just_before_the_next_query(
+    llama, seed, length, block, steps, decode_block
+):
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
     cache = BMRTCache(
-        llama, budget=15, protection_divisor=5, block_size=block, positions="rerotate"
+        llama,
+        budget=15,
+        protection_divisor=5,
+        block_size=max(block, decode_block),
+        positions="rerotate",
+        decode_block=decode_block,
     )
-    feed(llama, cache, ids, block)
+    feed(llama, cache, ids[:, : length - steps], block)
+    if steps:
+        feed(llama, cache, ids[:, length - steps :], 1)  # decoding steps, some held
     layer = cache.layers[0]
     full = layer0_full_keys(llama, ids)
     original = full.gather(2, layer.positions.unsqueeze(-1).expand_as(layer.keys))
-    slots = torch.arange(15) + (length - 15)
+    held = layer.stored  # 15, or up to 15 + decode_block - 1 after held steps
+    slots = torch.arange(held) + (length - held)
     expected = rerotate(original, slots - layer.positions, cache.layers[0].inv_freq)
     torch.testing.assert_close(layer.keys, expected, rtol=1e-4, atol=1e-4)
 

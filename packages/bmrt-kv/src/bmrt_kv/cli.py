@@ -83,6 +83,12 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=BMRTConfig.seed, help="LSH hyperplanes; retrieval.py's samples"
     )
+    parser.add_argument(
+        "--decode-block",
+        type=int,
+        default=BMRTConfig.decode_block,
+        help="decoding steps compressed together (1: every step), at most the block size",
+    )
 
 
 def cache_config(args: argparse.Namespace, budget: int, selector: str) -> BMRTConfig:
@@ -119,6 +125,7 @@ def cache_config(args: argparse.Namespace, budget: int, selector: str) -> BMRTCo
         positions=args.positions,
         granularity=args.granularity,
         seed=args.seed,
+        decode_block=args.decode_block,
     )
 
 

@@ -14,7 +14,8 @@ from bmrt_kv.selectors.attention import attention_mass
 
 
 class BMRTLayer(CacheLayerMixin):
-    """Holds at most ``budget`` tokens between forwards and ``budget + block_size`` during one.
+    """Holds at most ``budget`` tokens between forwards and ``budget + block_size`` during one
+    (with ``decode_block`` k > 1, up to ``budget + k - 1`` between decoding steps).
 
     ``keys``/``values`` are (b, h, S, hd); ``positions`` (b, h, S) int64 holds each token's
     original position, sorted ascending per head. Heads may keep different tokens
@@ -47,6 +48,10 @@ class BMRTLayer(CacheLayerMixin):
         # Sum of the unit-normalised keys of every token seen (keydiff's "stream" anchor).
         self.key_sum: torch.Tensor | None = None
         self.peak_tokens = 0
+        # Decoding steps not compressed yet (decode_block > 1): their rotated queries
+        # (b, H, t, hd) and the position of the first.
+        self.held_queries: torch.Tensor | None = None
+        self.held_from = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -72,7 +77,11 @@ class BMRTLayer(CacheLayerMixin):
         ``seen .. seen + T - 1``. Returns the (b, h, S + T, hd) keys and values."""
         n_new = key_states.shape[-2]
         limit = self.config.budget + self.config.block_tokens
-        if self.stored > self.config.budget:
+        if self.held_queries is not None and n_new > 1:
+            # A block after held decoding steps: they are compressed first, with their own
+            # queries, so the block starts from the budget as it would without holding.
+            self._compress(self._pool(self.held_queries, self.held_from, 0))
+        if self.stored > self.config.budget and self.held_queries is None:
             raise RuntimeError(
                 f"the layer still holds {self.stored} > budget={self.config.budget} tokens: "
                 "the previous forward was not finished; was the model passed to BMRTCache?"
@@ -114,12 +123,32 @@ class BMRTLayer(CacheLayerMixin):
         if self.key_sum is not None and n_new:
             new_keys = self.keys[:, :, self.stored - n_new :].to(torch.float32)
             self.key_sum = self.key_sum + torch.nn.functional.normalize(new_keys, dim=-1).sum(2)
-        pool = self._pool(queries, previous_seen, n_scoring_only)
-        if self.selector.stateful:
+        stateful = self.selector.stateful
+        pool = self._pool(queries, previous_seen, n_scoring_only) if stateful else None
+        if stateful:
             self.accumulated = self.accumulated + attention_mass(pool)
             pool.accumulated = self.accumulated
         if self.stored <= self.config.budget:
+            self.held_queries = None
             return
+        if n_forward == 1 and not n_scoring_only and self.config.decode_block > 1:
+            held = self.held_queries
+            if held is None:
+                self.held_queries, self.held_from = queries, previous_seen
+            else:
+                self.held_queries = torch.cat([held, queries], dim=-2)
+            if self.stored < self.config.budget + self.config.decode_block:
+                return  # held: compressed once decode_block steps are above the budget
+            if not stateful:  # scored with every held step's queries
+                queries, previous_seen = self.held_queries, self.held_from
+        if pool is None:  # a stateless selector scores here (with the held steps' queries)
+            pool = self._pool(queries, previous_seen, n_scoring_only)
+        self._compress(pool)
+
+    def _compress(self, pool: Pool) -> None:
+        """Keep the budget's tokens of ``pool`` (the layer's tokens now), chosen by the
+        selector; nothing is held afterwards."""
+        self.held_queries = None
         keep = keep_indices(pool, self.seen, self.config, self.selector)
         old_stored = self.stored
         self._gather(keep)
@@ -179,10 +208,15 @@ class BMRTLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         """(kv_length, kv_offset): the S cached tokens map to positions [seen - S, seen),
         all before the queries, so the causal mask shows all of them and masks the block
-        causally. Accepts an int (transformers >= 5.3) or a cache_position tensor (5.2)."""
+        causally. Accepts an int (transformers >= 5.3) or a cache_position tensor (5.2).
+        A block after held decoding steps sees the budget's tokens: update() compresses
+        the held steps before appending it."""
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
-        return self.stored + query_length, self.seen - self.stored
+        stored = self.stored
+        if self.held_queries is not None and query_length > 1:
+            stored = self.config.budget  # update() compresses the held steps first
+        return stored + query_length, self.seen - stored
 
     def get_seq_length(self) -> int:
         """Tokens of the stream seen so far (not the tokens held): position ids continue
@@ -200,6 +234,7 @@ class BMRTLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.accumulated = None
         self.key_sum = None
+        self.held_queries = None
         self.is_initialized = False
         self.seen = 0
         self.peak_tokens = 0
