@@ -85,12 +85,14 @@ def test_budget_at_least_the_sequence_equals_the_plain_model(
     divisor=st.integers(3, 6),
     selector=st.sampled_from(FAST_SELECTORS),
     positions=st.sampled_from(["absolute", "rerotate"]),
+    decode_block=st.integers(1, 8),
 )
 def test_budget_holds_while_compressed_layers_run(
-    smollm2, smollm2_zstd, policy, budget, block, divisor, selector, positions
+    smollm2, smollm2_zstd, policy, budget, block, divisor, selector, positions, decode_block
 ):
     """A ~100-token pass-key prompt through budgets far below its length: no layer ever
-    holds more than B + block_size tokens (B after each block), and the compressed model
+    holds more than B + block_size tokens (B after each block, up to B + decode_block - 1
+    after decoding steps), and the compressed model
     evicts exactly as the plain model does (bit-identical tokens and logits, since
     zstd-linear is lossless and the selection sees the same queries and keys)."""
     from membound_testing import passkey_prompt
@@ -105,6 +107,7 @@ def test_budget_holds_while_compressed_layers_run(
         block_size=block,
         selector=selector,
         positions=positions,
+        decode_block=decode_block,
     )
     runs = {}
     use_policy(smollm2_zstd, policy)
@@ -119,7 +122,8 @@ def test_budget_holds_while_compressed_layers_run(
             detach(model)
     sequences, logits, cache = runs["zstd"]
     assert max(layer.peak_tokens for layer in cache.layers) <= budget + block
-    assert cache.stored_tokens == [budget] * N_LAYERS
+    # B after each block; decoding steps may wait above it, up to decode_block - 1.
+    assert all(budget <= s < budget + decode_block for s in cache.stored_tokens)
     per_token = 2 * 3 * 64 * 4  # K + V, 3 KV heads x 64 dims, float32
     assert cache.peak_kv_bytes() <= N_LAYERS * (budget + block) * per_token
     assert compression_stats(smollm2_zstd).decompressions > 0

@@ -16,7 +16,7 @@ paired-cache's page keeper keeps nothing cached (``keep_cached=0``): its "auto" 
 against the cgroup's room without seeing what zstd-linear decodes into the same room,
 and under ``tight`` the stack then read 364 MiB per token (float32 pool) against 334 with
 nothing kept (tests-integration/benchmarks/stack_pools.py compares them; the
-MEMBOUND_STACK_POOL / _KEEP / _POLICY variables pick the variants it measures).
+MEMBOUND_STACK_POOL / _KEEP / _POLICY / _DECODE_BLOCK variables pick the variants it measures).
 
 Nothing of the model is materialised in anonymous memory. The bounded component is what
 the three single-package rows report together: the MLP rows' bytes a token multiplies, the
@@ -32,6 +32,12 @@ from membound_integration.rows.paired_cache import pool_path, predictor_path
 FRACTION = 0.5
 BUDGET = 32
 BLOCK = 16
+# bmrt-kv's decode_block: decoding steps compressed together (1: every step). 16 made a
+# decoding step faster (61-62 ms against 72-80, no limit) but changed the greedy answer
+# to a shorter one ("Paris, France.", 10 tokens against 24), and the rows' tokens/s
+# count the prompt's prefill over the answer's tokens: under tight it measured 0.81
+# tok/s against 0.95 with 1 (2026-12-07, one run each).
+DECODE_BLOCK = int(os.environ.get("MEMBOUND_STACK_DECODE_BLOCK", "1"))
 # The pool the stacked row reads: "grid" (each row the Q4_1 codes SmolLM2's float copy
 # was dequantized from, decoded bit for bit), "zstd" (each row a zstd frame) or "float32"
 # (the gate-less pool of the paired-cache row).
@@ -104,7 +110,14 @@ def combined_row() -> Row:
     report = compression_report(model)
     reset_stats(model)
     cache = BMRTCache(
-        model, BMRTConfig(budget=BUDGET, protection_divisor=4, block_size=BLOCK, selector="snapkv")
+        model,
+        BMRTConfig(
+            budget=BUDGET,
+            protection_divisor=4,
+            block_size=BLOCK,
+            selector="snapkv",
+            decode_block=DECODE_BLOCK,
+        ),
     )
     prompt = chat_prompt(tokenizer, QUESTION)
     gen = greedy_generate(model, tokenizer, prompt, past_key_values=cache, prefill_chunk_size=BLOCK)
@@ -127,7 +140,7 @@ def combined_row() -> Row:
         name=(
             f"stacked: paired-cache {round(FRACTION * 100)}% rows in place from a {POOL} pool + "
             f"zstd-linear attention, gates and embedding (ratio {report.ratio:.2f}) + bmrt-kv "
-            f"B={BUDGET} "
+            f"B={BUDGET}{f', decode_block={DECODE_BLOCK}' if DECODE_BLOCK > 1 else ''} "
             f"({seen} tokens)"
         ),
         **gen.row_fields(),
