@@ -102,6 +102,24 @@ def layer0_full_keys(model, ids):
     return cache.layers[0].keys  # (1, h, T, hd)
 
 
+def fed_then_stepped(model, ids, block, steps, decode_block, **config) -> BMRTCache:
+    """A B=15 cache over ``ids``: all but the last ``steps`` tokens fed in blocks of
+    ``block``, then those one at a time as decoding steps (some held, decode_block > 1)."""
+    cache = BMRTCache(
+        model,
+        budget=15,
+        protection_divisor=5,
+        block_size=max(block, decode_block),
+        decode_block=decode_block,
+        **config,
+    )
+    length = ids.shape[-1]
+    feed(model, cache, ids[:, : length - steps], block)
+    if steps:
+        feed(model, cache, ids[:, length - steps :], 1)
+    return cache
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -112,17 +130,7 @@ def layer0_full_keys(model, ids):
 )
 def test_kept_tokens_keep_their_original_positions(llama, seed, length, block, steps, decode_block):
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-    cache = BMRTCache(
-        llama,
-        budget=15,
-        protection_divisor=5,
-        block_size=max(block, decode_block),
-        selector="exact",
-        decode_block=decode_block,
-    )
-    feed(llama, cache, ids[:, : length - steps], block)
-    if steps:
-        feed(llama, cache, ids[:, length - steps :], 1)  # decoding steps, some held
+    cache = fed_then_stepped(llama, ids, block, steps, decode_block, selector="exact")
     layer = cache.layers[0]
     full = layer0_full_keys(llama, ids)
     # Layer 0's keys depend only on the token and its position, so a kept key equals the
@@ -143,17 +151,7 @@ def test_rerotate_places_kept_keys_just_before_the_next_query(
     llama, seed, length, block, steps, decode_block
 ):
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-    cache = BMRTCache(
-        llama,
-        budget=15,
-        protection_divisor=5,
-        block_size=max(block, decode_block),
-        positions="rerotate",
-        decode_block=decode_block,
-    )
-    feed(llama, cache, ids[:, : length - steps], block)
-    if steps:
-        feed(llama, cache, ids[:, length - steps :], 1)  # decoding steps, some held
+    cache = fed_then_stepped(llama, ids, block, steps, decode_block, positions="rerotate")
     layer = cache.layers[0]
     full = layer0_full_keys(llama, ids)
     original = full.gather(2, layer.positions.unsqueeze(-1).expand_as(layer.keys))

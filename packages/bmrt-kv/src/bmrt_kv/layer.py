@@ -129,7 +129,6 @@ class BMRTLayer(CacheLayerMixin):
             self.accumulated = self.accumulated + attention_mass(pool)
             pool.accumulated = self.accumulated
         if self.stored <= self.config.budget:
-            self.held_queries = None
             return
         if n_forward == 1 and not n_scoring_only and self.config.decode_block > 1:
             held = self.held_queries

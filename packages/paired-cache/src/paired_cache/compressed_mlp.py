@@ -26,7 +26,8 @@ class CompressedSparseMLP(SparseMLP):
     """down(act(gate x) * up x) over the rows a mask source picks, read in place from a
     compressed pool: the gate is the gate_proj child (mapped from the safetensors; the
     pool holds none), and a token's rows are decoded into a scratch the pool file's
-    layers share (``RowScratch``), reused from token to token. No PairedCache and no active rows: rows="in_place", window 1.
+    layers share (``RowScratch``), reused from token to token. No PairedCache and no
+    active rows: rows="in_place", window 1.
     ``keep_decoded(True)`` keeps every row decompressed so far (at most the layer's
     ``decoded_bytes``) and reads only the rows not yet kept.
 

@@ -233,8 +233,8 @@ class RowScratch:
         if buf is None or buf.dtype != dtype or buf.numel() < need:
             # Outside inference mode: a buffer first made under it could not be written
             # in a later call made under torch.no_grad() only.
+            self._local.buf = None  # the old one freed before the new is made
             with torch.inference_mode(False):
-                self._local.buf = buf = None  # the old one freed before the new is made
                 buf = self._local.buf = torch.empty(need, dtype=dtype)
         up = buf[: m * up_cols].view(m, up_cols)
         return up, buf[m * up_cols : need].view(m, hidden)
