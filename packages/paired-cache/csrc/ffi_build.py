@@ -17,7 +17,18 @@ HEADERS = ["paired_cache.h", "pc_internal.h"]
 # -fno-trapping-math: nothing reads the floating-point exception flags, and without it GCC
 # keeps the selects of pc_select.c's scoring loop as branches and does not vectorise it
 # (values are unchanged: it is not -ffast-math).
-COMPILE_ARGS = ["-std=c11", "-O3", "-fno-trapping-math", "-pthread", "-Wall", "-Wextra"]
+# -ffp-contract=off: a product then a sum stay two roundings (no fused multiply-add where
+# the target has one, aarch64), as torch computes them: the grid decode gives the weights
+# grid_pool.dequantize gives, bit for bit.
+COMPILE_ARGS = [
+    "-std=c11",
+    "-O3",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-pthread",
+    "-Wall",
+    "-Wextra",
+]
 
 
 def source_digest() -> str:

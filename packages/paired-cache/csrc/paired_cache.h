@@ -107,6 +107,23 @@ int pc_rows_mlp_f32(const pc_cache *cache, const float *x, const float *g, const
 int pc_rows_mlp_split_f32(const float *x, const float *g, const int32_t *idx, int64_t m,
                           const float *up, const float *down_T, int64_t n_rows, int64_t up_cols,
                           int64_t hidden, float *out);
+/* The same over rows of a grid pool (grid_pool.py), decoded one at a time as they are
+ * multiplied: no rows are copied out. Row r's record (record_bytes at records + r *
+ * record_bytes) holds its up codes (up_bits 4: two per byte, the even one in the low nibble;
+ * 8: int8), the float16 d of each block of PC_GRID_BLOCK up values (then m, up_affine), then
+ * its down_T codes (down_bits); down_T's float16 d (and m, or NULL) are rows of the
+ * layer's tables [n_rows / PC_GRID_BLOCK, hidden], row r // PC_GRID_BLOCK. Each value is
+ * d * q (+ m), two float32 roundings, and the products are those of pc_rows_mlp_split_f32
+ * over the decoded rows, in the same order. idx: [m] int64 row ids in [0, n_rows); row:
+ * [up_cols + hidden] floats of workspace; out: [hidden], overwritten. PC_ERR_CONFIG for bad
+ * sizes, kinds or a NULL pointer, PC_ERR_INVALID for a row id out of range: both before out
+ * is written. */
+#define PC_GRID_BLOCK 32
+int pc_grid_rows_mlp_f32(const float *x, const float *g, const int64_t *idx, int64_t m,
+                         const uint8_t *records, int64_t record_bytes, int64_t n_rows,
+                         int up_bits, int up_affine, int64_t up_cols, int down_bits,
+                         const uint16_t *down_d, const uint16_t *down_m, int64_t hidden,
+                         float *row, float *out);
 /* One token's rows for a gated MLP (pc_select.c): the k of n rows with the largest
  *   score_i = |g[i]| * E|u_i|, u_i ~ Normal(up_mean[i], up_sd[i]^2)
  * (score_i = |g[i]| when up_mean and up_sd are both NULL), ties to the lowest ids, NaN

@@ -102,3 +102,111 @@ int pc_rows_mlp_split_f32(const float *x, const float *g, const int32_t *idx, in
              (size_t)hidden * 4, up_cols, hidden, out);
     return PC_OK;
 }
+
+/* A float16's bits as the float32 it stands for, exactly (subnormals, infinities, NaN):
+ * the exponent rebiased, a subnormal normalised by one exact float subtraction. No branch
+ * on a normal value, so the loops below vectorise. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t shifted = 0x7c00u << 13; /* the exponent mask, after the shift */
+    uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
+    uint32_t exp = o & shifted;
+    o += (uint32_t)(127 - 15) << 23;
+    float f;
+    if (exp == shifted) {
+        o += (uint32_t)(128 - 16) << 23; /* infinity or NaN */
+        memcpy(&f, &o, sizeof f);
+    } else if (exp == 0) {
+        o += 1u << 23; /* subnormal: 2^-14 * (1 + m / 1024) - 2^-14 */
+        memcpy(&f, &o, sizeof f);
+        f -= 6.103515625e-05f;
+    } else {
+        memcpy(&f, &o, sizeof f);
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= ((uint32_t)h & 0x8000u) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Codes n..n+count of a row as floats: bits 4, two per byte, the even one in the low
+ * nibble (n even; an odd count ends the row); bits 8, int8. */
+static inline void grid_codes(const uint8_t *codes, int bits, int64_t n, int64_t count,
+                              float *q) {
+    if (bits == 4) {
+        const uint8_t *p = codes + n / 2;
+        for (int64_t j = 0; j < count / 2; j++) {
+            q[2 * j] = (float)(p[j] & 15);
+            q[2 * j + 1] = (float)(p[j] >> 4);
+        }
+        if (count % 2) q[count - 1] = (float)(p[count / 2] & 15);
+    } else {
+        for (int64_t j = 0; j < count; j++) q[j] = (float)(int8_t)codes[n + j];
+    }
+}
+
+/* One grid row decoded: w[c] = d * q[c] (+ m), two float32 roundings, a product then a
+ * sum, as grid_pool.dequantize (the build keeps them two: -ffp-contract=off). up: d and m
+ * per block of PC_GRID_BLOCK values, the record's own scales; down_T: per value, the
+ * layer's scale rows d_row and m_row. */
+static void grid_up_row(const uint8_t *codes, int bits, const uint8_t *d, const uint8_t *m,
+                        int64_t n, float *w) {
+    for (int64_t b = 0; b < n / PC_GRID_BLOCK; b++) {
+        float *v = w + b * PC_GRID_BLOCK;
+        grid_codes(codes, bits, b * PC_GRID_BLOCK, PC_GRID_BLOCK, v);
+        const float db = f16_to_f32(load_u16(d + 2 * b));
+        for (int j = 0; j < PC_GRID_BLOCK; j++) v[j] = db * v[j];
+        if (m != NULL) {
+            const float mb = f16_to_f32(load_u16(m + 2 * b));
+            for (int j = 0; j < PC_GRID_BLOCK; j++) v[j] = v[j] + mb;
+        }
+    }
+}
+
+static void grid_down_row(const uint8_t *codes, int bits, const uint16_t *d_row,
+                          const uint16_t *m_row, int64_t n, float *w) {
+    grid_codes(codes, bits, 0, n, w);
+    for (int64_t c = 0; c < n; c++) w[c] = f16_to_f32(d_row[c]) * w[c];
+    if (m_row != NULL)
+        for (int64_t c = 0; c < n; c++) w[c] = w[c] + f16_to_f32(m_row[c]);
+}
+
+int pc_grid_rows_mlp_f32(const float *x, const float *g, const int64_t *idx, int64_t m,
+                         const uint8_t *records, int64_t record_bytes, int64_t n_rows,
+                         int up_bits, int up_affine, int64_t up_cols, int down_bits,
+                         const uint16_t *down_d, const uint16_t *down_m, int64_t hidden,
+                         float *row, float *out) {
+    if (m < 0 || n_rows < 0 || up_cols < 1 || hidden < 1 || x == NULL || out == NULL ||
+        row == NULL || down_d == NULL || (up_bits != 4 && up_bits != 8) ||
+        (down_bits != 4 && down_bits != 8) || up_cols % PC_GRID_BLOCK != 0 ||
+        n_rows % PC_GRID_BLOCK != 0 || (m > 0 && (g == NULL || idx == NULL || records == NULL)))
+        return PC_ERR_CONFIG;
+    const int64_t up_codes = (up_cols * up_bits + 7) / 8, scales = (up_cols / PC_GRID_BLOCK) * 2;
+    const int64_t down_at = up_codes + scales * (up_affine ? 2 : 1);
+    if (record_bytes != down_at + (hidden * down_bits + 7) / 8) return PC_ERR_CONFIG;
+    for (int64_t k = 0; k < m; k++)
+        if (idx[k] < 0 || idx[k] >= n_rows) return PC_ERR_INVALID; /* before any write */
+    memset(out, 0, (size_t)hidden * sizeof(float));
+    float *up = row, *down = row + up_cols;
+    for (int64_t k = 0; k < m; k++) {
+        const uint8_t *rec = records + (size_t)idx[k] * (size_t)record_bytes;
+        if (k + 1 < m) { /* the next record, while this one is decoded and multiplied */
+            const uint8_t *next = records + (size_t)idx[k + 1] * (size_t)record_bytes;
+            for (int64_t b = 0; b < record_bytes; b += 64) __builtin_prefetch(next + b);
+        }
+        const int64_t group = idx[k] / PC_GRID_BLOCK;
+        grid_up_row(rec, up_bits, rec + up_codes, up_affine ? rec + up_codes + scales : NULL,
+                    up_cols, up);
+        grid_down_row(rec + down_at, down_bits, down_d + group * hidden,
+                      down_m == NULL ? NULL : down_m + group * hidden, hidden, down);
+        float h = g[k] * dot_f32(x, up, up_cols);
+        axpy_f32(out, h, down, hidden);
+    }
+    return PC_OK;
+}

@@ -22,6 +22,7 @@ from torch import nn
 from membound_testing.families import tiny_model
 from membound_testing.grids import on_gguf_grid, q4_1, q8_0
 from paired_cache import PairedCacheError, convert, load_sparse, save_dense
+from paired_cache.cache import rows_mlp_split
 from paired_cache.cli import main
 from paired_cache.compressed_mlp import CompressedSparseMLP, keep_decoded
 from paired_cache.grid_pool import BLOCK, GridReader, encode_layer, find_grid, record_bytes
@@ -113,15 +114,19 @@ def test_kept_rows_over_a_grid_pool_are_decoded_once(models):
     hidden=st.integers(1, 9),
     kinds=st.sampled_from([(q4_1, q4_1), (q4_1, q8_0), (q8_0, q4_1), (q8_0, q8_0)]),
     constant_block=st.booleans(),
+    # 1e-5: scales below float16's smallest normal (6.1e-5), subnormals for the C decoder
+    scale=st.sampled_from([0.05, 1e-5]),
     seed=st.integers(0, 2**16),
 )
-def test_grid_rows_round_trip_bit_for_bit(groups, blocks, hidden, kinds, constant_block, seed):
+def test_grid_rows_round_trip_bit_for_bit(
+    groups, blocks, hidden, kinds, constant_block, scale, seed
+):
     gen = torch.Generator().manual_seed(seed)
     n, up_cols = groups * BLOCK, blocks * BLOCK
-    up = torch.randn(n, up_cols, generator=gen) * 0.05
+    up = torch.randn(n, up_cols, generator=gen) * scale
     if constant_block:  # a block of one value: d = 0
         up[0, :BLOCK] = 0.25
-    down_cols = torch.randn(hidden, n, generator=gen)
+    down_cols = torch.randn(hidden, n, generator=gen) * scale * 20
     up, down = kinds[0](up), kinds[1](down_cols)
     data, up_kind, down_kind = encode_layer("layer", up, down)
     assert len(data) == n * record_bytes(up_kind, down_kind, up_cols, hidden) + (
@@ -144,6 +149,46 @@ def test_grid_rows_round_trip_bit_for_bit(groups, blocks, hidden, kinds, constan
     assert got[0] is out[0] and got[1] is out[1]
     assert torch.equal(out[0].view(torch.int32), up[rows].view(torch.int32))
     assert torch.equal(out[1].view(torch.int32), down.t()[rows].contiguous().view(torch.int32))
+    # Decoded in C as multiplied: the products of rows_mlp_split over the decoded rows.
+    x, g = torch.randn(up_cols, generator=gen), torch.randn(len(rows), generator=gen)
+    at = torch.arange(len(rows), dtype=torch.int32)
+    want = rows_mlp_split(x, g, at, *reader.rows(rows))
+    assert torch.equal(reader.rows_mlp(x, g, rows).view(torch.int32), want.view(torch.int32))
+
+
+def test_grid_rows_mlp_refuses_bad_input_before_computing(models):
+    _, grid, _ = models["llama"]
+    reader = PoolFile(grid).frame_reader(0)
+    x, g, rows = torch.zeros(reader.up_cols), torch.ones(2), np.array([0, 3], dtype=np.int64)
+    for bad, match in (
+        ((x, g, rows.astype(np.int32)), "idx must be a 1-D int64 array"),
+        ((x, g, rows[:, None]), "idx must be a 1-D int64 array"),
+        ((x.double(), g, rows), "x must be a CPU float32 tensor"),
+        ((x[:-1], g, rows), r"x has shape"),
+        ((x, g[:1], rows), r"g has shape"),
+        ((x, g, np.array([0, reader.n_rows], dtype=np.int64)), "outside"),
+        ((x, g, np.array([-1, 0], dtype=np.int64)), "outside"),
+    ):
+        with pytest.raises(PairedCacheError, match=match):
+            reader.rows_mlp(*bad)
+
+
+def test_single_tokens_over_a_grid_pool_decode_in_c_and_give_the_scratch_back(models):
+    """A dense prefill decodes every row of a layer into the shared scratch; a single
+    token over a grid pool decodes its rows in C where they lie, and the scratch is
+    unmapped, not kept at a prefill's size while tokens are generated."""
+    model_dir, grid, zstd = models["llama"]
+    model = load_sparse(model_dir, grid, "cats", 0.5)
+    reference = load_sparse(model_dir, zstd, "cats", 0.5)
+    layers = mlps(model)
+    assert torch.equal(logits(model), logits(reference))  # the prompt
+    assert layers[0].scratch._local.buf is not None
+    for t in range(3):
+        one = IDS[:, t : t + 1]
+        assert torch.equal(logits(model, one), logits(reference, one))
+        assert layers[0].scratch._local.buf is None
+    for m, r in zip(layers, mlps(reference), strict=True):
+        assert m.pool_rows_read == r.pool_rows_read > 0
 
 
 def test_the_layers_decode_into_one_shared_scratch(models):

@@ -6,6 +6,8 @@ is no pure-Python fallback, so a missing core is an installation error, said pla
 
 from __future__ import annotations
 
+from paired_cache.errors import PairedCacheError
+
 try:
     from _paired_cache_core import ffi, lib
 except ImportError as exc:  # pragma: no cover - only a broken installation gets here
@@ -23,9 +25,19 @@ ERROR_NAMES = {
 }
 
 
+def check_kernel_rc(fn: str, rc: int, n_rows: int) -> None:
+    """PairedCacheError for a row kernel's return code other than PC_OK."""
+    if rc != lib.PC_OK:
+        raise PairedCacheError(
+            f"{fn}: a row id in idx is outside [0, {n_rows})"
+            if rc == lib.PC_ERR_INVALID
+            else f"{fn} refused by the core ({ERROR_NAMES.get(rc, rc)})"
+        )
+
+
 def core_info() -> str:
     """The C core's build stamp: C standard, threading, sha256 of the compiled sources."""
     return ffi.string(lib.pc_core_info()).decode()
 
 
-__all__ = ["ERROR_NAMES", "core_info", "ffi", "lib"]
+__all__ = ["ERROR_NAMES", "check_kernel_rc", "core_info", "ffi", "lib"]

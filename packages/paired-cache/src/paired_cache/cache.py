@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paired_cache._core import ERROR_NAMES, core_info, ffi, lib
+from paired_cache._core import ERROR_NAMES, check_kernel_rc, core_info, ffi, lib
 from paired_cache.config import MAX_ROWS, PairedCacheConfig
 from paired_cache.errors import PairedCacheError
 
@@ -367,7 +367,7 @@ class PairedCache:
             m,
             ffi.cast("float *", out.data_ptr()),
         )
-        _check_kernel_rc("rows_mlp", rc, self.n_rows)
+        check_kernel_rc("rows_mlp", rc, self.n_rows)
         return out
 
     @property
@@ -448,16 +448,6 @@ class PairedCache:
             raise CacheInvariantError(ffi.string(message).decode())
 
 
-def _check_kernel_rc(fn: str, rc: int, n_rows: int) -> None:
-    """PairedCacheError for a row kernel's return code other than PC_OK."""
-    if rc != lib.PC_OK:
-        raise PairedCacheError(
-            f"{fn}: a row id in idx is outside [0, {n_rows})"
-            if rc == lib.PC_ERR_INVALID
-            else f"{fn} refused by the core ({ERROR_NAMES.get(rc, rc)})"
-        )
-
-
 def rows_mlp_split(
     x: torch.Tensor, g: torch.Tensor, idx: torch.Tensor, up: torch.Tensor, down_T: torch.Tensor
 ) -> torch.Tensor:
@@ -518,7 +508,7 @@ def rows_mlp_split(
         hidden,
         ffi.cast("float *", out.data_ptr()),
     )
-    _check_kernel_rc("rows_mlp_split", rc, n)
+    check_kernel_rc("rows_mlp_split", rc, n)
     return out
 
 

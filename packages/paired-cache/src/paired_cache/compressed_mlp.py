@@ -106,14 +106,20 @@ class CompressedSparseMLP(SparseMLP):
         from the pool into the scratch (valid until the next decode of a layer sharing
         it); counts their bytes, and first asks will_read_rows for them (ask)."""
         f = self.frames
-        if idx is None:
-            self._bytes_read += f.total_bytes
-        else:
-            if ask and self.will_read_rows is not None and idx.shape[0]:
-                self.will_read_rows(torch.from_numpy(idx))
-            self._bytes_read += f.compressed_bytes(idx)
+        self._count_read(idx, ask)
         m = f.n_rows if idx is None else int(idx.shape[0])
         return f.rows(idx, out=self.scratch.take(m, f.up_cols, f.hidden, f.dtype))
+
+    def _count_read(self, idx: np.ndarray | None, ask: bool) -> None:
+        """Count the pool bytes of rows idx (None: every row) as read; first ask
+        will_read_rows for them (ask)."""
+        f = self.frames
+        if idx is None:
+            self._bytes_read += f.total_bytes
+            return
+        if ask and self.will_read_rows is not None and idx.shape[0]:
+            self.will_read_rows(torch.from_numpy(idx))
+        self._bytes_read += f.compressed_bytes(idx)
 
     def _fill_kept(self, at: torch.Tensor | None) -> None:
         """Decompress into the kept rows those of ``at`` ((m,) int64; None: every row) not
@@ -238,6 +244,13 @@ class CompressedSparseMLP(SparseMLP):
             and gate_at.dtype == torch.float32
             and self.frames.dtype == torch.float32
         ):
+            if self._kept is None and hasattr(self.frames, "rows_mlp"):
+                # A grid pool: each record decoded in C as it is multiplied, where it lies
+                # in the mapping; no rows decoded into the scratch, which a dense prefill
+                # left holding every row of a layer, so it is given back.
+                self._count_read(rows, ask=True)
+                self.scratch.release()
+                return self.frames.rows_mlp(x[0], gate_at, rows).unsqueeze(0)
             # The C kernel: each row's up and down_T read once where they lie (kept or
             # just decoded), as SparseMLP's in-place float32 path does over a pool.
             up, down_T, at = self._held_rows(rows)

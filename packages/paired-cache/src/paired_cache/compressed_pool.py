@@ -22,7 +22,9 @@ still fails its own checksum when decompressed.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,13 +233,27 @@ class RowScratch:
         need = m * (up_cols + hidden)
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.dtype != dtype or buf.numel() < need:
-            # Outside inference mode: a buffer first made under it could not be written
-            # in a later call made under torch.no_grad() only.
             self._local.buf = None  # the old one freed before the new is made
-            with torch.inference_mode(False):
-                buf = self._local.buf = torch.empty(need, dtype=dtype)
+            buf = self._local.buf = _anonymous(need, dtype)
         up = buf[: m * up_cols].view(m, up_cols)
         return up, buf[m * up_cols : need].view(m, hidden)
+
+    def release(self) -> None:
+        """Give this thread's buffer back to the system (the next ``take`` maps a new
+        one); what ``take`` returned must no longer be used."""
+        self._local.buf = None
+
+
+def _anonymous(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """numel elements of dtype in a mapping of their own, unmapped when the tensor and its
+    views are freed: memory the allocator's heap cannot keep once released."""
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Outside inference mode: a buffer first made under it could not be written in a
+    # later call made under torch.no_grad() only.
+    with torch.inference_mode(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the mapping is writable
+        return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
 def _contiguous(out, m: int, frame_size: int) -> np.ndarray:

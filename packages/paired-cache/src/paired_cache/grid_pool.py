@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paired_cache._core import check_kernel_rc, ffi, lib
 from paired_cache.compressed_pool import DECODE_ROWS, GatelessLayer, check_out
 from paired_cache.errors import PairedCacheError
 
@@ -292,6 +293,65 @@ class GridReader:
                 groups = torch.from_numpy(idx[s:e]) // BLOCK
             self._decode_block(records, groups, up[s:e], down[s:e])
         return up, down
+
+    def rows_mlp(self, x: torch.Tensor, g: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """One token's sparse MLP over rows idx, decoded in C one record at a time where it
+        lies in the mapping: sum over k of g[k] * (x . up[idx[k]]) * down_T[idx[k]], as
+        (hidden,). Nothing is copied out of the mapping; the products and their order are
+        those of ``rows_mlp_split`` over ``rows(idx)``, bit for bit.
+
+        Args:
+            x: (up_cols,) float32.
+            g: (m,) float32, act(gate x) at the rows idx.
+            idx: (m,) int64 row ids in [0, n_rows).
+
+        Raises:
+            PairedCacheError: any other input (a row id out of range included), before
+                anything is computed.
+        """
+        m = idx.shape[0] if isinstance(idx, np.ndarray) and idx.ndim == 1 else -1
+        if m < 0 or idx.dtype != np.int64:
+            raise PairedCacheError(
+                f"GridReader.rows_mlp: idx must be a 1-D int64 array, got "
+                f"{getattr(idx, 'dtype', type(idx).__name__)}"
+            )
+        for name, t, shape in (("x", x, (self.up_cols,)), ("g", g, (m,))):
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != torch.float32
+                or t.device.type != "cpu"
+            ):
+                raise PairedCacheError(
+                    f"GridReader.rows_mlp: {name} must be a CPU float32 tensor, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)}"
+                )
+            if tuple(t.shape) != shape:
+                raise PairedCacheError(
+                    f"GridReader.rows_mlp: {name} has shape {tuple(t.shape)}, expected {shape}"
+                )
+        x, g, idx = x.contiguous(), g.contiguous(), np.ascontiguousarray(idx)
+        row = torch.empty(self.up_cols + self.hidden, dtype=torch.float32)
+        out = torch.empty(self.hidden, dtype=torch.float32)
+        rc = lib.pc_grid_rows_mlp_f32(
+            ffi.cast("float *", x.data_ptr()),
+            ffi.cast("float *", g.data_ptr()),
+            ffi.cast("int64_t *", idx.ctypes.data),
+            m,
+            ffi.cast("uint8_t *", self.records.ctypes.data),
+            self.record_bytes,
+            self.n_rows,
+            KINDS[self.up_kind][0],
+            int(KINDS[self.up_kind][1]),
+            self.up_cols,
+            KINDS[self.down_kind][0],
+            ffi.cast("uint16_t *", self.down_d.data_ptr()),
+            ffi.NULL if self.down_m is None else ffi.cast("uint16_t *", self.down_m.data_ptr()),
+            self.hidden,
+            ffi.cast("float *", row.data_ptr()),
+            ffi.cast("float *", out.data_ptr()),
+        )
+        check_kernel_rc("GridReader.rows_mlp", rc, self.n_rows)
+        return out
 
     def _decode_block(
         self, records: torch.Tensor, groups: torch.Tensor, up: torch.Tensor, down: torch.Tensor
