@@ -19,8 +19,11 @@ from zstd_linear.layer import CompressedLinear
 from zstd_linear.policies import BackingStore, CachePolicy, make_policy
 from zstd_linear.stats import DecodeStats
 
-# A streamed layer is decoded this many bytes at a time (whole chunks, at least one).
-STREAM_GROUP_BYTES = 4 << 20
+# A streamed layer is decoded this many bytes at a time (whole chunks, at least one): its
+# buffer is what a streamed lm_head holds in anonymous memory. SmolLM2's tied lm_head took
+# 111-121 ms a token in groups of 4 MiB (a 4.1 MiB buffer), 121-134 in groups of 1 MiB
+# (1.1 MiB); under a hard limit the 3 MiB are page cache for the weights' file instead.
+STREAM_GROUP_BYTES = 1 << 20
 # ... and its output computed in blocks of a multiple of this many rows, counted from row
 # 0, the last block ending where the weight ends. The BLAS computes the rows of a block
 # past a multiple of its own blocking on another path, with other rounding (MKL on this
