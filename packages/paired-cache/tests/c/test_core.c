@@ -558,6 +558,142 @@ static void test_select_gated(int64_t n, int with_up, int ties) {
     free(picked);
 }
 
+/* A float16's bits as a float, computed another way than the core's (ldexpf). */
+static float f16_value(uint16_t h) {
+    int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float v = e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(1024 + m), e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
+/* A random finite float16: normal, subnormal or zero, either sign. */
+static uint16_t random_f16(void) {
+    uint64_t r = next_u64();
+    uint16_t e = (uint16_t)((r >> 11) % 31); /* 0..30: no infinity, no NaN */
+    if ((r >> 20) % 4 == 0) e = 0;           /* subnormals (and zeros) a quarter of the time */
+    return (uint16_t)(((r >> 16) & 1) << 15 | e << 10 | (r & 0x3ff));
+}
+
+static uint8_t code_at(const uint8_t *codes, int bits, int64_t c, float *q) {
+    if (bits == 4) {
+        uint8_t v = (uint8_t)((codes[c / 2] >> ((c % 2) * 4)) & 15);
+        *q = (float)v;
+        return v;
+    }
+    *q = (float)(int8_t)codes[c];
+    return codes[c];
+}
+
+/* pc_grid_rows_mlp_f32 against pc_rows_mlp_split_f32 over the rows decoded here (d * q,
+ * then + m, with float16 decoded by f16_value): the same bits. Records are allocated to the
+ * byte (n * record_bytes), so a read past the last one is valgrind's; an odd hidden ends a
+ * 4-bit down_T row on a half byte. Then the refusals, leaving out as it was. */
+static void test_grid_rows_mlp(int64_t n, int64_t up, int64_t hidden, int up_bits, int up_affine,
+                               int down_bits, int down_affine) {
+    const int64_t block = PC_GRID_BLOCK, up_codes = (up * up_bits + 7) / 8;
+    const int64_t scales = (up / block) * 2, down_at = up_codes + scales * (up_affine ? 2 : 1);
+    const int64_t record = down_at + (hidden * down_bits + 7) / 8, groups = n / block;
+    uint8_t *records = malloc((size_t)(n * record));
+    uint16_t *down_d = malloc((size_t)(groups * hidden) * sizeof(uint16_t));
+    uint16_t *down_m = malloc((size_t)(groups * hidden) * sizeof(uint16_t));
+    float *split_up = malloc((size_t)(n * up) * sizeof(float));
+    float *split_down = malloc((size_t)(n * hidden) * sizeof(float));
+    float *x = malloc((size_t)up * sizeof(float)), *g = malloc((size_t)n * sizeof(float));
+    float *row = malloc((size_t)(up + hidden) * sizeof(float));
+    float *out = malloc((size_t)hidden * sizeof(float)), *want = malloc((size_t)hidden * sizeof(float));
+    int64_t *idx = malloc((size_t)n * sizeof(int64_t));
+    int32_t *idx32 = malloc((size_t)n * sizeof(int32_t));
+    for (int64_t b = 0; b < n * record; b++) records[b] = (uint8_t)next_u64();
+    for (int64_t r = 0; r < n; r++) { /* the scales: finite float16 */
+        uint8_t *s = records + r * record + up_codes;
+        for (int64_t k = 0; k < scales * (up_affine ? 2 : 1) / 2; k++) {
+            uint16_t h = random_f16();
+            memcpy(s + 2 * k, &h, sizeof h);
+        }
+    }
+    for (int64_t k = 0; k < groups * hidden; k++) down_d[k] = random_f16(), down_m[k] = random_f16();
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *rec = records + r * record;
+        for (int64_t c = 0; c < up; c++) {
+            uint16_t d, mn;
+            float q;
+            memcpy(&d, rec + up_codes + 2 * (c / block), sizeof d);
+            memcpy(&mn, rec + up_codes + scales + 2 * (c / block), sizeof mn);
+            code_at(rec, up_bits, c, &q);
+            float w = f16_value(d) * q;
+            if (up_affine) w = w + f16_value(mn);
+            split_up[r * up + c] = w;
+        }
+        for (int64_t c = 0; c < hidden; c++) {
+            float q;
+            code_at(rec + down_at, down_bits, c, &q);
+            float w = f16_value(down_d[(r / block) * hidden + c]) * q;
+            if (down_affine) w = w + f16_value(down_m[(r / block) * hidden + c]);
+            split_down[r * hidden + c] = w;
+        }
+    }
+    for (int64_t c = 0; c < up; c++) x[c] = (float)((int64_t)(next_u64() % 2001) - 1000) / 500.0f;
+    for (int trial = 0; trial < 12; trial++) {
+        int64_t m = trial == 0 ? 0 : trial == 1 ? n : (int64_t)(next_u64() % (uint64_t)(n + 1));
+        for (int64_t k = 0; k < m; k++) {
+            idx[k] = trial == 1 ? n - 1 - k : (int64_t)(next_u64() % (uint64_t)n);
+            idx32[k] = (int32_t)idx[k];
+            g[k] = (float)((int64_t)(next_u64() % 2001) - 1000) / 1000.0f;
+        }
+        for (int64_t c = 0; c < hidden; c++) out[c] = 12345.0f, want[c] = -1.0f;
+        CHECK(pc_rows_mlp_split_f32(x, g, idx32, m, split_up, split_down, n, up, hidden, want) ==
+                  PC_OK,
+              "grid: split m=%lld", (long long)m);
+        CHECK(pc_grid_rows_mlp_f32(x, g, idx, m, records, record, n, up_bits, up_affine, up,
+                                   down_bits, down_d, down_affine ? down_m : NULL, hidden, row,
+                                   out) == PC_OK,
+              "grid rows_mlp m=%lld", (long long)m);
+        CHECK(memcmp(out, want, (size_t)hidden * sizeof(float)) == 0,
+              "grid rows_mlp differs from split over the decoded rows (n=%lld up=%lld hidden=%lld "
+              "kinds %d%d/%d%d m=%lld)",
+              (long long)n, (long long)up, (long long)hidden, up_bits, up_affine, down_bits,
+              down_affine, (long long)m);
+    }
+    const uint16_t *dm = down_affine ? down_m : NULL;
+    for (int64_t c = 0; c < hidden; c++) out[c] = 7.0f;
+    idx[0] = n;
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record, n, up_bits, up_affine, up, down_bits,
+                               down_d, dm, hidden, row, out) == PC_ERR_INVALID,
+          "grid: id N accepted");
+    idx[0] = -1;
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record, n, up_bits, up_affine, up, down_bits,
+                               down_d, dm, hidden, row, out) == PC_ERR_INVALID,
+          "grid: id -1 accepted");
+    idx[0] = 0;
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record + 1, n, up_bits, up_affine, up,
+                               down_bits, down_d, dm, hidden, row, out) == PC_ERR_CONFIG,
+          "grid: a wrong record size accepted");
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record, n, 3, up_affine, up, down_bits,
+                               down_d, dm, hidden, row, out) == PC_ERR_CONFIG,
+          "grid: 3-bit codes accepted");
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record, n, up_bits, up_affine, up, down_bits,
+                               NULL, dm, hidden, row, out) == PC_ERR_CONFIG,
+          "grid: NULL down scales accepted");
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record, n, up_bits, up_affine, up, down_bits,
+                               down_d, dm, hidden, NULL, out) == PC_ERR_CONFIG,
+          "grid: NULL workspace accepted");
+    CHECK(pc_grid_rows_mlp_f32(x, g, idx, 1, records, record, n + 1, up_bits, up_affine, up,
+                               down_bits, down_d, dm, hidden, row, out) == PC_ERR_CONFIG,
+          "grid: rows not a multiple of the block accepted");
+    for (int64_t c = 0; c < hidden; c++) CHECK(out[c] == 7.0f, "a refused grid call wrote out");
+    free(records);
+    free(down_d);
+    free(down_m);
+    free(split_up);
+    free(split_down);
+    free(x);
+    free(g);
+    free(row);
+    free(out);
+    free(want);
+    free(idx);
+    free(idx32);
+}
+
 int main(void) {
     test_config_errors();
     test_corruption_detected();
@@ -567,6 +703,10 @@ int main(void) {
     test_rows_mlp(64, 16, 16, 16, 1);
     test_rows_mlp(9, 5, 5, 3, 1);
     test_rows_mlp(200, 64, 64, 72, 0);
+    test_grid_rows_mlp(64, 64, 5, 4, 1, 4, 1);  /* Q4_1 up and down, a half byte at the end */
+    test_grid_rows_mlp(96, 32, 16, 8, 0, 8, 0); /* Q8_0 */
+    test_grid_rows_mlp(32, 96, 7, 4, 1, 8, 0);  /* Q4_1 up, Q8_0 down (SmolLM2's grid test) */
+    test_grid_rows_mlp(64, 64, 64, 8, 0, 4, 1);
     test_expected_abs();
     for (int with_up = 0; with_up < 2; with_up++) {
         test_select_gated(1, with_up, 0);
