@@ -247,7 +247,7 @@ class RowScratch:
 def _anonymous(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """numel elements of dtype in a mapping of their own, unmapped when the tensor and its
     views are freed: memory the allocator's heap cannot keep once released."""
-    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    nbytes = max(1, numel * dtype.itemsize)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # Outside inference mode: a buffer first made under it could not be written in a
     # later call made under torch.no_grad() only.
