@@ -24,7 +24,7 @@ from membound_testing.grids import on_gguf_grid, q4_1, q8_0
 from paired_cache import PairedCacheError, convert, load_sparse, save_dense
 from paired_cache.cache import rows_mlp_split
 from paired_cache.cli import main
-from paired_cache.compressed_mlp import CompressedSparseMLP, keep_decoded
+from paired_cache.compressed_mlp import DENSE_BLOCK_ROWS, CompressedSparseMLP, keep_decoded
 from paired_cache.grid_pool import BLOCK, GridReader, encode_layer, find_grid, record_bytes
 from paired_cache.pool_file import GRID_FORMAT_VERSION, TRAILER, PoolFile
 
@@ -174,7 +174,7 @@ def test_grid_rows_mlp_refuses_bad_input_before_computing(models):
 
 
 def test_single_tokens_over_a_grid_pool_decode_in_c_and_give_the_scratch_back(models):
-    """A dense prefill decodes every row of a layer into the shared scratch; a single
+    """A dense prefill decodes its rows into the shared scratch; a single
     token over a grid pool decodes its rows in C where they lie, and the scratch is
     unmapped, not kept at a prefill's size while tokens are generated."""
     model_dir, grid, zstd = models["llama"]
@@ -191,9 +191,32 @@ def test_single_tokens_over_a_grid_pool_decode_in_c_and_give_the_scratch_back(mo
         assert m.pool_rows_read == r.pool_rows_read > 0
 
 
+@pytest.mark.parametrize("pool", [1, 2])  # the grid pool, the zstd pool
+def test_a_dense_prefill_decodes_a_block_of_rows_at_a_time(models, monkeypatch, pool):
+    """A dense prefill over rows not kept decodes DENSE_BLOCK_ROWS rows at a time (here 5,
+    not a divisor of the rows) and sums the blocks' products: the scratch holds a block,
+    the pool is read once, and the logits are those of the rows kept decoded (one product
+    over every row) up to the order of the sums (1e-5 of the largest)."""
+    import paired_cache.compressed_mlp as compressed_mlp
+
+    monkeypatch.setattr(compressed_mlp, "DENSE_BLOCK_ROWS", 5)
+    model_dir, path = models["llama"][0], models["llama"][pool]
+    blocked, whole = (load_sparse(model_dir, path, "cats", 1.0) for _ in range(2))
+    keep_decoded(whole, 1 << 30)
+    got, ref = logits(blocked), logits(whole)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    layers = mlps(blocked)
+    f = layers[0].frames
+    assert f.n_rows > 3 * 5 and f.n_rows % 5
+    assert layers[0].scratch._local.buf.numel() == 5 * (f.up_cols + f.hidden)
+    for m, r in zip(layers, mlps(whole), strict=True):
+        assert m.pool_bytes_read == r.pool_bytes_read == m.frames.total_bytes
+
+
 def test_the_layers_decode_into_one_shared_scratch(models):
     """Every layer of a pool file decodes into one buffer, made once: a dense prefill
-    (every row of a layer) and then single tokens, over both prefills and kept rows."""
+    (a block of rows at a time: here every row of a layer, fewer than a block) and then
+    single tokens (half the rows)."""
     model_dir, _, grid = models["llama"]
     model = load_sparse(model_dir, grid, "cats", 0.5)
     layers = mlps(model)
@@ -201,6 +224,7 @@ def test_the_layers_decode_into_one_shared_scratch(models):
     logits(model)  # the prompt: every row of each layer, decoded in turn
     buffer = layers[0].scratch._local.buf
     f = layers[0].frames
+    assert f.n_rows <= DENSE_BLOCK_ROWS
     assert buffer.numel() == f.n_rows * (f.up_cols + f.hidden)
     for t in range(3):
         logits(model, IDS[:, t : t + 1])

@@ -21,6 +21,9 @@ from paired_cache.registry import make_source, source_class
 from paired_cache.sparse_base import CachedMLP, check_prefill, check_window
 from paired_cache.sparse_mlp import SparseMLP, _layer_options, check_in_place_window
 
+#: Rows a dense prefill over rows not kept decompresses at a time (the scratch it holds).
+DENSE_BLOCK_ROWS = 128
+
 
 class CompressedSparseMLP(SparseMLP):
     """down(act(gate x) * up x) over the rows a mask source picks, read in place from a
@@ -247,7 +250,7 @@ class CompressedSparseMLP(SparseMLP):
             if self._kept is None and hasattr(self.frames, "rows_mlp"):
                 # A grid pool: each record decoded in C as it is multiplied, where it lies
                 # in the mapping; no rows decoded into the scratch, which a dense prefill
-                # left holding every row of a layer, so it is given back.
+                # left holding a block of rows, so it is given back.
                 self._count_read(rows, ask=True)
                 self.scratch.release()
                 return self.frames.rows_mlp(x[0], gate_at, rows).unsqueeze(0)
@@ -260,13 +263,29 @@ class CompressedSparseMLP(SparseMLP):
         return h @ down_T  # (T, m) @ (m, hidden)
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden) over every row: every frame decompressed once."""
+        """x: (T, hidden) -> (T, hidden) over every row: every frame decompressed once.
+
+        Kept rows are multiplied at once. Rows not kept are decompressed DENSE_BLOCK_ROWS
+        at a time into the scratch and their products summed block by block, so a prefill
+        holds a block of decoded rows, not a layer's (SmolLM2: 0.56 MiB, not 6.75, of
+        anonymous memory a hard limit takes from the page cache)."""
         if self._will_read_pool is not None:
             self._will_read_pool()
-        up, down_T = self._read_rows(None)  # (N, up_cols), (N, hidden)
-        self.pool_rows_read += self.frames.n_rows
-        h = self.act_fn(self.gate_proj(x)) * F.linear(x, up)  # (T, N)
-        return h @ down_T
+        f = self.frames
+        self.pool_rows_read += f.n_rows
+        if self._kept is not None:
+            up, down_T = self._read_rows(None)  # (N, up_cols), (N, hidden)
+            return (self.act_fn(self.gate_proj(x)) * F.linear(x, up)) @ down_T
+        self._count_read(None, ask=False)
+        gate = self.act_fn(self.gate_proj(x))  # (T, N)
+        out = None
+        for s in range(0, f.n_rows, DENSE_BLOCK_ROWS):
+            e = min(f.n_rows, s + DENSE_BLOCK_ROWS)
+            idx = np.arange(s, e, dtype=np.int64)
+            up, down_T = f.rows(idx, out=self.scratch.take(e - s, f.up_cols, f.hidden, f.dtype))
+            part = (gate[:, s:e] * F.linear(x, up)) @ down_T  # (T, hidden)
+            out = part if out is None else out.add_(part)
+        return out
 
 
 def _check_gives_gate(spec: CompressedLayer, source: str, options: dict) -> None:

@@ -218,8 +218,8 @@ class RowScratch:
     """The memory a pool's layers decode rows into, one buffer per thread, reused.
 
     Layers run one after another, so the layers of one pool file share it: a forward
-    pass allocates its decoded rows once (the largest, a dense prefill's every row of a
-    layer), where each decode allocating its own would leave the allocator's heap
+    pass allocates its decoded rows once (the largest: a token's rows, or a block of a
+    dense prefill's), where each decode allocating its own would leave the allocator's heap
     fragmented by tensors of a few MiB, and the process's anonymous memory growing.
     What ``take`` returns is valid until the next ``take`` on the same thread."""
 
