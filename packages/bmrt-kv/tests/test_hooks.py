@@ -115,6 +115,32 @@ def test_hooks_act_only_for_their_own_cache(model):
     assert not first.attached and not second.attached
 
 
+@pytest.mark.parametrize(("budget", "selector"), [(12, "snapkv"), (64, "snapkv"), (64, "h2o")])
+def test_queries_are_rotated_only_for_a_layer_that_scores(model, monkeypatch, budget, selector):
+    """A stateless selector scores only a layer above its budget: below it the hook hands
+    no queries over and rotates none; a stateful one (h2o) scores every forward."""
+    import bmrt_kv.hooks as hooks
+
+    rotated = []
+    real = hooks.apply_rope
+    monkeypatch.setattr(hooks, "apply_rope", lambda q, *a: rotated.append(q.shape) or real(q, *a))
+    config = BMRTConfig(budget=budget, protection_divisor=4, block_size=4, selector=selector)
+    cache = BMRTCache(model, config)
+    stream(model, cache)  # 20 tokens, 4 a forward, over 2 layers
+    above = 0 if budget >= 20 and selector == "snapkv" else 5 if selector == "h2o" else 2
+    assert len(rotated) == 2 * above
+    assert cache.stored_tokens == [min(budget, 20)] * 2
+    # At the budget, one more token needs no queries for snapkv, and every forward needs
+    # them for h2o, whose finish refuses None before anything changes.
+    layer = cache.layers[0]
+    assert layer.needs_queries(0) == (selector == "h2o")
+    if selector == "h2o":
+        seen = layer.seen
+        with pytest.raises(RuntimeError, match="queries are needed"):
+            layer.finish(None, 0, 1)
+        assert layer.seen == seen
+
+
 def test_beam_search_is_refused(model):
     ids = torch.arange(3, 11).view(1, 8)
     with BMRTCache(model, CONFIG) as cache, pytest.raises(BMRTError, match="beam search"):

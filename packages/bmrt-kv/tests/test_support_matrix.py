@@ -123,9 +123,10 @@ def test_budget_below_sequence_bounds_every_layer_and_scores_the_models_queries(
     with BMRTCache(model, config) as cache:
         finish = cache.finish_layer
 
-        def spy(layer_idx, queries):
-            scored[layer_idx] = queries.clone()
-            finish(layer_idx, queries)
+        def spy(layer_idx, queries, *n_forward):
+            if queries is not None:  # None: below the budget, nothing scored
+                scored[layer_idx] = queries.clone()
+            finish(layer_idx, queries, *n_forward)
 
         cache.finish_layer = spy
         with torch.no_grad():

@@ -161,14 +161,24 @@ class BMRTCache(Cache):
         """
         raise BMRTError("BMRTCache rows cannot be selected or reordered after prefill")
 
-    def finish_layer(self, layer_idx: int, queries: torch.Tensor) -> None:
+    def needs_queries(self, layer_idx: int) -> bool:
+        """Whether :meth:`finish_layer` of layer ``layer_idx`` uses this forward's queries
+        (:meth:`BMRTLayer.needs_queries`); where it does not, the attention hook skips
+        rotating them."""
+        return self.layers[layer_idx].needs_queries(self.scoring_only_tokens)
+
+    def finish_layer(
+        self, layer_idx: int, queries: torch.Tensor | None, n_forward: int | None = None
+    ) -> None:
         """Compress layer ``layer_idx``; called by the attention hook after its attention ran.
 
         Args:
             layer_idx: the layer's index in the model.
-            queries: (b, H, T, hd) float, rotated queries of the forward's T tokens.
+            queries: (b, H, T, hd) float, rotated queries of the forward's T tokens; None
+                where :meth:`needs_queries` is False, with ``n_forward`` = T.
+            n_forward: T, where ``queries`` is None.
         """
-        self.layers[layer_idx].finish(queries, self.scoring_only_tokens)
+        self.layers[layer_idx].finish(queries, self.scoring_only_tokens, n_forward)
 
     @property
     def stored_tokens(self) -> list[int]:

@@ -204,6 +204,9 @@ def _post_hook(state: dict, rotary: bool):
         cache, cos, sin, raw = state["cache"], state["cos"], state["sin"], state["queries"]
         state.clear()
         b, t = raw.shape[:2]  # raw: (b, T, H * hd) from q_proj, (b, T, (H + 2 h) hd) qkv_proj
+        if not cache.needs_queries(attn.layer_idx):
+            cache.finish_layer(attn.layer_idx, None, t)  # nothing to score: not rotated
+            return
         n_heads = attn.config.num_attention_heads
         with torch.no_grad():
             queries = raw[..., : n_heads * attn.head_dim]  # (b, T, H * hd)

@@ -106,15 +106,33 @@ class BMRTLayer(CacheLayerMixin):
         self.peak_tokens = max(self.peak_tokens, self.stored)
         return self.keys, self.values
 
-    def finish(self, queries: torch.Tensor, n_scoring_only: int) -> None:
+    def needs_queries(self, n_scoring_only: int) -> bool:
+        """Whether :meth:`finish` of the forward now ending uses its queries: a stateful
+        selector scores every forward; a stateless one only where the layer (less the
+        ``n_scoring_only`` tokens it drops) holds more than the budget. Otherwise the
+        attention hook passes ``queries=None`` and does not rotate them."""
+        return self.selector.stateful or self.stored - n_scoring_only > self.config.budget
+
+    def finish(
+        self, queries: torch.Tensor | None, n_scoring_only: int, n_forward: int | None = None
+    ) -> None:
         """Compress after the block's attention.
 
         Args:
-            queries: (b, H, T, hd) rotated queries of this forward (H query heads).
+            queries: (b, H, T, hd) rotated queries of this forward (H query heads); None
+                where :meth:`needs_queries` is False (then ``n_forward`` gives T).
             n_scoring_only: trailing tokens of this forward that only score (the question
                 in query-aware mode): dropped from the cache and not counted as seen.
+            n_forward: T, where ``queries`` is None.
         """
-        n_forward = queries.shape[-2]
+        if queries is None:
+            if n_forward is None or self.needs_queries(n_scoring_only):
+                raise RuntimeError(
+                    "BMRTLayer.finish: queries are needed here (a stateful selector, or the "
+                    "layer above its budget); None needs n_forward and no compression"
+                )
+        else:
+            n_forward = queries.shape[-2]
         if n_scoring_only:
             self._take(slice(0, self.stored - n_scoring_only))
         previous_seen = self.seen
