@@ -25,7 +25,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bmrt_kv import BMRTCache, BMRTConfig
-from membound_integration.stack import MLP_GLOB, ROWS_GLOBS, load_stacked, room_for_rows
+from membound_integration.stack import (
+    MLP_GLOB,
+    ROWS_GLOBS,
+    kv_budget,
+    kv_bytes_per_token,
+    load_stacked,
+    room_for_rows,
+    room_left,
+)
 from membound_testing.families import VOCAB, tiny_model
 from membound_testing.grids import on_gguf_grid
 from paired_cache import SparseMLP, convert, sparsify_model
@@ -159,6 +167,27 @@ def test_room_for_rows_is_zero_without_room_or_a_budget_policy(tmp_path):
     tight = load_stacked(*files, keep_decoded="auto", policy="budget", memory_limit=1 << 20)
     assert room_for_rows(tight) == 0
     assert all(layer.mlp.kept_rows == 0 and layer.mlp._kept is None for layer in tight.model.layers)
+
+
+def test_kv_budget_follows_what_the_limit_leaves(tmp_path):
+    """The floor where nothing is left (no budget policy, a tiny limit), the whole
+    sequence where a quarter of what is left holds it, as many tokens as that quarter
+    holds in between."""
+    files = (*_compressed_stack_files("llama", tmp_path)[1], "cats", 0.5)
+    model = load_stacked(*files)
+    per_token = kv_bytes_per_token(model.config)
+    config = model.config
+    heads = config.num_key_value_heads
+    assert per_token == config.num_hidden_layers * 2 * heads * config.head_dim * 4
+    assert kv_budget(model, 500, 8) == 8  # per_pass_prefetch: no limit known
+    tight = load_stacked(*files, policy="budget", memory_limit=1 << 20)
+    assert room_left(tight) < 0 and kv_budget(tight, 500, 8) == 8
+    ample = load_stacked(*files, policy="budget", memory_limit=1 << 36)
+    assert room_left(ample) > 4 * 500 * per_token and kv_budget(ample, 500, 8) == 500
+    # 100 tokens' worth left (with the headroom raised by the rest): a quarter, 25 tokens.
+    left = room_left(ample, 0)
+    assert kv_budget(ample, 500, 8, headroom=left - 100 * per_token) == 25
+    assert kv_budget(ample, 500, 30, headroom=left - 100 * per_token) == 30
 
 
 def test_refused_step_leaves_the_model_unchanged(stacked):

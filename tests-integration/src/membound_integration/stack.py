@@ -113,6 +113,61 @@ def load_stacked(
     return model
 
 
+def room_left(model, headroom: int = 64 << 20) -> int:
+    """The bytes zstd-linear's budget policy left of its ``memory_limit`` (what its pinned
+    set does not charge), less ``headroom`` kept back for activations; what the other
+    packages of the stack (kept rows, the KV cache) may take. 0 when the policy is not
+    "budget" (it then says nothing of the limit); negative where even the headroom does
+    not fit.
+
+    Args:
+        model: a stacked model (:func:`load_stacked`).
+        headroom: bytes kept back.
+    """
+    from zstd_linear.model import runtime_of
+    from zstd_linear.policies.budget import Budget
+
+    policy = runtime_of(model).policy
+    if not isinstance(policy, Budget):
+        return 0
+    encoded = policy.store.encoded
+    if policy.memory_limit is None:  # budget_bytes given: decoded bytes, all charged
+        charged = sum(encoded[n].original_bytes for n in policy.pinned)
+    else:
+        charged = sum(
+            max(0, encoded[n].original_bytes - encoded[n].file_backed_bytes) for n in policy.pinned
+        )
+    return policy.budget_bytes - charged - headroom
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of float32 keys and values one token adds to a transformers model's KV cache
+    (every layer, every KV head)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * 4
+
+
+def kv_budget(model, tokens: int, floor: int, headroom: int = 64 << 20) -> int:
+    """A bmrt-kv token budget for a stacked model under its limit: ``tokens`` (the longest
+    sequence the caller will run, which then never compresses) where a quarter of what
+    the limit leaves (:func:`room_left`) holds their keys and values, else as many as it
+    holds, and never fewer than ``floor``: the KV is bounded by what the limit leaves,
+    as zstd-linear pins and paired-cache keeps what it leaves.
+
+    Args:
+        model: a stacked model (:func:`load_stacked`).
+        tokens: the longest sequence (prompt and generated tokens) to be run.
+        floor: the smallest budget (the one the tightest limit gets).
+        headroom: as :func:`room_left`'s.
+
+    Returns:
+        A budget for ``BMRTConfig(budget=...)``.
+    """
+    share = max(0, room_left(model, headroom)) // 4
+    return max(floor, min(tokens, share // kv_bytes_per_token(model.config)))
+
+
 def room_for_rows(model, headroom: int = 64 << 20) -> int:
     """The bytes of decoded MLP rows a stacked model may keep (``keep_decoded``) in what
     zstd-linear's budget policy left of its ``memory_limit``.
@@ -135,21 +190,11 @@ def room_for_rows(model, headroom: int = 64 << 20) -> int:
         (it then says nothing of the limit).
     """
     from paired_cache.compressed_mlp import CompressedSparseMLP
-    from zstd_linear.model import runtime_of
-    from zstd_linear.policies.budget import Budget
 
-    policy = runtime_of(model).policy
     mlps = [m for m in model.modules() if isinstance(m, CompressedSparseMLP)]
-    if not isinstance(policy, Budget) or not mlps:
+    if not mlps:
         return 0
-    encoded = policy.store.encoded
-    if policy.memory_limit is None:  # budget_bytes given: decoded bytes, all charged
-        charged = sum(encoded[n].original_bytes for n in policy.pinned)
-    else:
-        charged = sum(
-            max(0, encoded[n].original_bytes - encoded[n].file_backed_bytes) for n in policy.pinned
-        )
-    left = policy.budget_bytes - charged - headroom
+    left = room_left(model, headroom)
     decoded = mlps[0].decoded_bytes
     packed = sum(m.frames.total_bytes for m in mlps) / len(mlps)
     n = len(mlps)

@@ -5,18 +5,20 @@ dequantized from, 648 bytes a row, and a token decodes the rows the trained pred
 picked, bit for bit), zstd-linear's ``load_compressed`` of every
 attention projection, every MLP's gate (the predictor reads all of it every token) and
 the tied embedding (``budget(memory_limit="auto")``, as the zstd-linear row), and bmrt-kv
-bounding the KV cache below the sequence's length.
+bounding the KV cache to a budget sized to the limit (``stack.kv_budget``): 32 tokens,
+below the sequence's 61, where the limit leaves nothing (``tight``, ``mid``).
 
 With memory to spare (what zstd-linear's budget policy leaves of the limit,
-``stack.room_for_rows``), paired-cache keeps the rows of as many layers decompressed as
-fit (``keep_decoded``), so under ``mid`` and ``ample`` a kept row is read and decompressed
-once, not at every token; under ``tight`` nothing is left and none is kept.
+``stack.room_left``), the KV budget grows to the whole sequence (it then never
+compresses), and paired-cache keeps the rows of as many layers decompressed as fit in
+the rest (``keep_decoded``, ``stack.room_for_rows``): a kept row is read and decompressed
+once, not at every token. Under ``tight`` nothing is left and none is kept.
 
 paired-cache's page keeper keeps nothing cached (``keep_cached=0``): its "auto" sizes what it keeps
 against the cgroup's room without seeing what zstd-linear decodes into the same room,
 and under ``tight`` the stack then read 364 MiB per token (float32 pool) against 334 with
 nothing kept (tests-integration/benchmarks/stack_pools.py compares them; the
-MEMBOUND_STACK_POOL / _KEEP / _POLICY / _DECODE_BLOCK variables pick the variants it measures).
+MEMBOUND_STACK_POOL / _KEEP / _POLICY / _DECODE_BLOCK / _KV variables pick the variants it measures).
 
 Nothing of the model is materialised in anonymous memory. The bounded component is what
 the three single-package rows report together: the MLP rows' bytes a token multiplies, the
@@ -30,8 +32,16 @@ from membound_integration.row import QUESTION, Row, greedy_generate
 from membound_integration.rows.paired_cache import pool_path, predictor_path
 
 FRACTION = 0.5
+# bmrt-kv's budget: at least BUDGET tokens, and the whole sequence where a quarter of what
+# the limit leaves holds its keys and values (stack.kv_budget): under tight and mid
+# nothing is left and the cache compresses to 32 tokens at every step; under ample it
+# holds the sequence's 61 tokens (2.7 MiB) and never compresses, as zstd-linear then pins
+# every layer and paired-cache keeps every row decoded. MEMBOUND_STACK_KV=fixed keeps
+# BUDGET under every limit (compressing cost 15-20 ms a step at ample, 2026-12-07).
 BUDGET = 32
+KV_FROM_LIMIT = os.environ.get("MEMBOUND_STACK_KV", "limit") != "fixed"
 BLOCK = 16
+MAX_NEW_TOKENS = 24
 # bmrt-kv's decode_block: decoding steps compressed together (1: every step). 16 made a
 # decoding step faster (61-62 ms against 72-80, no limit) but changed the greedy answer
 # to a shorter one ("Paris, France.", 10 tokens against 24), and the rows' tokens/s
@@ -93,8 +103,14 @@ def combined_row() -> Row:
     from transformers import PreTrainedTokenizerFast
 
     from bmrt_kv import BMRTCache, BMRTConfig
-    from membound_integration.stack import load_stacked
+    from membound_integration.stack import (
+        kv_budget,
+        kv_bytes_per_token,
+        load_stacked,
+        room_for_rows,
+    )
     from membound_testing import chat_prompt, smollm2_float_dir
+    from paired_cache.compressed_mlp import keep_decoded
     from zstd_linear import compression_report, compression_stats, reset_stats
 
     model_dir = smollm2_float_dir()
@@ -107,24 +123,33 @@ def combined_row() -> Row:
         FRACTION,
         predictor=predictor_path(),
         keep_cached=KEEP_CACHED,
-        keep_decoded=KEEP_DECODED if POOL in COMPRESSED_POOLS else None,
         **POLICY,
     )
     config = model.config
+    prompt = chat_prompt(tokenizer, QUESTION)
+    sequence = len(tokenizer(prompt).input_ids) + MAX_NEW_TOKENS
+    # The KV first (a few MiB), then the rows kept decoded in what is left.
+    budget = kv_budget(model, sequence, BUDGET) if KV_FROM_LIMIT else BUDGET
+    if POOL in COMPRESSED_POOLS and KEEP_DECODED is not None:
+        reserve = (64 << 20) + budget * kv_bytes_per_token(config)
+        keep_decoded(
+            model, room_for_rows(model, reserve) if KEEP_DECODED == "auto" else KEEP_DECODED
+        )
     report = compression_report(model)
     reset_stats(model)
     cache = BMRTCache(
         model,
         BMRTConfig(
-            budget=BUDGET,
+            budget=budget,
             protection_divisor=4,
             block_size=BLOCK,
             selector="snapkv",
             decode_block=DECODE_BLOCK,
         ),
     )
-    prompt = chat_prompt(tokenizer, QUESTION)
-    gen = greedy_generate(model, tokenizer, prompt, past_key_values=cache, prefill_chunk_size=BLOCK)
+    # Blocks of BLOCK tokens where the prompt compresses; one forward where it never does.
+    chunks = {"prefill_chunk_size": BLOCK} if budget < sequence else {}
+    gen = greedy_generate(model, tokenizer, prompt, MAX_NEW_TOKENS, past_key_values=cache, **chunks)
     stats = compression_stats(model)
     mlps = [layer.mlp for layer in model.model.layers]
     head_dim = config.hidden_size // config.num_attention_heads
@@ -144,8 +169,8 @@ def combined_row() -> Row:
         name=(
             f"stacked: paired-cache {round(FRACTION * 100)}% rows in place from a {POOL} pool + "
             f"zstd-linear attention, gates and embedding (ratio {report.ratio:.2f}) + bmrt-kv "
-            f"B={BUDGET}{f', decode_block={DECODE_BLOCK}' if DECODE_BLOCK > 1 else ''} "
-            f"({seen} tokens)"
+            f"B={budget}{f', decode_block={DECODE_BLOCK}' if DECODE_BLOCK > 1 else ''} "
+            f"({seen} tokens; B sized to the limit, {BUDGET} at the least)"
         ),
         **gen.row_fields(),
         component="MLP rows read + attention, gates, embedding + KV",
