@@ -142,7 +142,11 @@ def room_left(model, headroom: int = 64 << 20) -> int:
 
 def kv_bytes_per_token(config) -> int:
     """Bytes of float32 keys and values one token adds to a transformers model's KV cache
-    (every layer, every KV head)."""
+    (every layer, every KV head).
+
+    Args:
+        config: the model's transformers config.
+    """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return config.num_hidden_layers * 2 * kv_heads * head_dim * 4

@@ -164,7 +164,14 @@ class BMRTCache(Cache):
     def needs_queries(self, layer_idx: int) -> bool:
         """Whether :meth:`finish_layer` of layer ``layer_idx`` uses this forward's queries
         (:meth:`BMRTLayer.needs_queries`); where it does not, the attention hook skips
-        rotating them."""
+        rotating them.
+
+        Args:
+            layer_idx: the layer's index in the model.
+
+        Returns:
+            True where the layer's selector will score this forward's queries.
+        """
         return self.layers[layer_idx].needs_queries(self.scoring_only_tokens)
 
     def finish_layer(

@@ -110,7 +110,12 @@ class BMRTLayer(CacheLayerMixin):
         """Whether :meth:`finish` of the forward now ending uses its queries: a stateful
         selector scores every forward; a stateless one only where the layer (less the
         ``n_scoring_only`` tokens it drops) holds more than the budget. Otherwise the
-        attention hook passes ``queries=None`` and does not rotate them."""
+        attention hook passes ``queries=None`` and does not rotate them.
+
+        Args:
+            n_scoring_only: trailing tokens of this forward that only score (as
+                :meth:`finish` takes them).
+        """
         return self.selector.stateful or self.stored - n_scoring_only > self.config.budget
 
     def finish(
