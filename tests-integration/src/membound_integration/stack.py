@@ -37,6 +37,7 @@ from pathlib import Path
 
 MLP_GLOB = "*.mlp.*"  # every MLP layer: the .zlin of a stack whose pool holds the gate
 ROWS_GLOBS = ("*.mlp.up_proj", "*.mlp.down_proj")  # what a gate-less pool holds
+HEADROOM = 64 << 20  # bytes of a limit kept back for activations (room_left)
 
 
 def write_rest_zlin(full: str | os.PathLike, path: str | os.PathLike, gate: bool = True) -> Path:
@@ -113,7 +114,7 @@ def load_stacked(
     return model
 
 
-def room_left(model, headroom: int = 64 << 20) -> int:
+def room_left(model, headroom: int = HEADROOM) -> int:
     """The bytes zstd-linear's budget policy left of its ``memory_limit`` (what its pinned
     set does not charge), less ``headroom`` kept back for activations; what the other
     packages of the stack (kept rows, the KV cache) may take. 0 when the policy is not
@@ -152,7 +153,7 @@ def kv_bytes_per_token(config) -> int:
     return config.num_hidden_layers * 2 * kv_heads * head_dim * 4
 
 
-def kv_budget(model, tokens: int, floor: int, headroom: int = 64 << 20) -> int:
+def kv_budget(model, tokens: int, floor: int, headroom: int = HEADROOM) -> int:
     """A bmrt-kv token budget for a stacked model under its limit: ``tokens`` (the longest
     sequence the caller will run, which then never compresses) where a quarter of what
     the limit leaves (:func:`room_left`) holds their keys and values, else as many as it
@@ -172,7 +173,7 @@ def kv_budget(model, tokens: int, floor: int, headroom: int = 64 << 20) -> int:
     return max(floor, min(tokens, share // kv_bytes_per_token(model.config)))
 
 
-def room_for_rows(model, headroom: int = 64 << 20) -> int:
+def room_for_rows(model, headroom: int = HEADROOM) -> int:
     """The bytes of decoded MLP rows a stacked model may keep (``keep_decoded``) in what
     zstd-linear's budget policy left of its ``memory_limit``.
 

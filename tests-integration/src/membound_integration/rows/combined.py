@@ -104,6 +104,7 @@ def combined_row() -> Row:
 
     from bmrt_kv import BMRTCache, BMRTConfig
     from membound_integration.stack import (
+        HEADROOM,
         kv_budget,
         kv_bytes_per_token,
         load_stacked,
@@ -131,7 +132,7 @@ def combined_row() -> Row:
     # The KV first (a few MiB), then the rows kept decoded in what is left.
     budget = kv_budget(model, sequence, BUDGET) if KV_FROM_LIMIT else BUDGET
     if POOL in COMPRESSED_POOLS and KEEP_DECODED is not None:
-        reserve = (64 << 20) + budget * kv_bytes_per_token(config)
+        reserve = HEADROOM + budget * kv_bytes_per_token(config)
         keep_decoded(
             model, room_for_rows(model, reserve) if KEEP_DECODED == "auto" else KEEP_DECODED
         )
@@ -152,8 +153,6 @@ def combined_row() -> Row:
     gen = greedy_generate(model, tokenizer, prompt, MAX_NEW_TOKENS, past_key_values=cache, **chunks)
     stats = compression_stats(model)
     mlps = [layer.mlp for layer in model.model.layers]
-    head_dim = config.hidden_size // config.num_attention_heads
-    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
     seen = cache.get_seq_length()
     # Unbounded: the MLPs' up and down in float32 (the gates are in the report's bytes).
     rows_bytes = config.num_hidden_layers * 2 * config.hidden_size * config.intermediate_size * 4
@@ -175,7 +174,7 @@ def combined_row() -> Row:
         **gen.row_fields(),
         component="MLP rows read + attention, gates, embedding + KV",
         resident_bytes=resident,
-        unbounded_bytes=rows_bytes + report.original_bytes + seen * per_token,
+        unbounded_bytes=rows_bytes + report.original_bytes + seen * kv_bytes_per_token(config),
     )
 
 
