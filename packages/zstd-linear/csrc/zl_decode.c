@@ -1,8 +1,10 @@
 /* Chunk decode: a weight's chunks, frames to values, in one call without the GIL, and the
  * read-ahead hint for their frames (see zstd_linear.h). */
 #define _POSIX_C_SOURCE 200112L /* posix_madvise, sysconf under -std=c11 */
+#define _DEFAULT_SOURCE /* madvise and MADV_PAGEOUT (zl_page_out) */
 #include "zstd_linear.h"
 
+#include <errno.h>
 #include <string.h>
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
@@ -100,5 +102,21 @@ int zl_will_need(const void *addr, size_t len) {
     (void)addr;
     (void)len;
     return 0;
+#endif
+}
+
+int zl_page_out(const void *addr, size_t len) {
+#if defined(ZL_HAVE_MADVISE) && defined(MADV_PAGEOUT)
+    long page = sysconf(_SC_PAGESIZE);
+    if (!addr || !len || page <= 0) return 0;
+    uintptr_t mask = (uintptr_t)page - 1;
+    uintptr_t start = ((uintptr_t)addr + mask) & ~mask;      /* first whole page */
+    uintptr_t stop = ((uintptr_t)addr + len) & ~mask;        /* past the last whole page */
+    if (stop <= start) return 0;
+    return madvise((void *)start, stop - start, MADV_PAGEOUT) == 0 ? 0 : errno;
+#else
+    (void)addr;
+    (void)len;
+    return ZL_ERR_UNSUPPORTED;
 #endif
 }

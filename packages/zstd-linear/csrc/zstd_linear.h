@@ -43,6 +43,7 @@ size_t zl_bitpack_size(size_t n, uint8_t mask);
 int zl_unpack_bits(size_t n, const uint8_t *src, size_t src_len, uint8_t *out);
 
 #define ZL_ERR_FRAME -6
+#define ZL_ERR_UNSUPPORTED -7
 
 /* Frame kinds, as numbered in the .zlin header (codec.FRAME_KINDS). */
 #define ZL_FRAME_ZSTD 0
@@ -98,6 +99,13 @@ int zl_decode_chunks(const zl_zstd *zstd, void *dctx, int width, int planes, int
  * Returns 0, or the error posix_madvise returned (the read is only a hint; callers may
  * ignore it). A no-op returning 0 where there is no posix_madvise. */
 int zl_will_need(const void *addr, size_t len);
+
+/* Reclaim the pages wholly inside [addr, addr + len) (a file mapping) now: madvise(
+ * MADV_PAGEOUT), which drops clean file pages from the page cache (Linux 5.4 and later).
+ * The pages that hold the range's two ends are kept (a neighbour may still use them).
+ * Returns 0, or the errno madvise set; ZL_ERR_UNSUPPORTED where the platform has no
+ * MADV_PAGEOUT. Like zl_will_need, only advice: the bytes stay readable. */
+int zl_page_out(const void *addr, size_t len);
 
 /* "C<standard> sha256:<digest of the compiled sources>" */
 const char *zl_core_info(void);

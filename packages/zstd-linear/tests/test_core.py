@@ -231,6 +231,7 @@ def test_every_c_call_releases_the_gil(tmp_path):
         "zl_core_info",
         "zl_decode_chunks",
         "zl_join",
+        "zl_page_out",
         "zl_unpack_bits",
         "zl_will_need",
     ]

@@ -20,7 +20,7 @@ import zstandard
 
 from zstd_linear import decoder as decoder_module
 from zstd_linear._core import ffi, lib
-from zstd_linear.codec import CodecConfig, EncodedWeight, Frame, encode_weight
+from zstd_linear.codec import CodecConfig, EncodedWeight, Frame, encode_weight, view_weight
 from zstd_linear.decoder import (
     DecodeError,
     Decoder,
@@ -56,9 +56,9 @@ def test_the_c_backend_runs_python_once_per_thread_not_per_chunk(threads, monkey
     segments = []
     original = Decoder._decode_segment
 
-    def spy(self, enc, chunks, target, origin):
+    def spy(self, enc, chunks, target, origin, *page_out):
         segments.append((enc, chunks))
-        return original(self, enc, chunks, target, origin)
+        return original(self, enc, chunks, target, origin, *page_out)
 
     monkeypatch.setattr(Decoder, "_decode_segment", spy)
     decoder = Decoder(threads)
@@ -299,6 +299,97 @@ def test_will_need_reads_exactly_the_frames_asked_for(tmp_path):
     finally:
         view.release()
         mapping.close()
+
+
+#: Pages MADV_PAGEOUT may skip: those still in another CPU's batch of new pages (a
+#: folio_batch of 31), and the page two decode threads' runs share.
+SKIPPED_AT_MOST = 32
+
+
+def _drop_from_page_cache(path, mapping: mmap.mmap) -> None:
+    """Take a file's pages out of the page cache, mapped ones too: a page read back
+    later comes a page at a time (MADV_RANDOM), as under a memory limit. The large
+    folios a sequential read leaves (read_file's check) are not split by MADV_PAGEOUT."""
+    mapping.madvise(mmap.MADV_DONTNEED)
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_page_out_drops_the_whole_pages_of_the_range_and_keeps_the_rest(tmp_path):
+    """zl_page_out reclaims the pages wholly inside its range (MADV_PAGEOUT, Linux 5.4+)
+    and leaves the two pages its ends fall in, and everything outside, in the page
+    cache."""
+    path = tmp_path / "pages.bin"
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, 4 << 20, np.uint8).tobytes())
+    with open(path, "rb") as f:
+        # Clean pages, out of the page cache, then read back a page at a time (as a .zlin
+        # mapping is, MADV_RANDOM): the kernel reclaims such pages at once. The large
+        # folios write() leaves in the page cache are not split to drop part of one.
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapping.madvise(mmap.MADV_RANDOM)
+    view = memoryview(mapping)
+    with ffi.from_buffer("uint8_t[]", view) as data:
+        address = int(ffi.cast("uintptr_t", data))
+    try:
+        assert int(np.frombuffer(view, np.uint8).sum()) > 0  # every page read, so cached
+        page = os.sysconf("SC_PAGE_SIZE")
+        n = (4 << 20) // page
+        assert _resident_pages(address, 4 << 20).all()
+        lo, hi = page * 100 + 7, page * 200 - 7  # pages 100 and 199 are cut
+        assert lib.zl_page_out(ffi.cast("void *", address + lo), hi - lo) == 0
+        after = _resident_pages(address, 4 << 20)
+        # Best effort: a page still in another CPU's batch of newly read pages is not on
+        # the LRU lists yet and is skipped.
+        assert after[101:199].sum() <= SKIPPED_AT_MOST
+        assert after[:101].all() and after[199:n].all()
+        assert lib.zl_page_out(ffi.NULL, 0) == 0
+        # A range inside one page holds no whole page: nothing to drop.
+        assert lib.zl_page_out(ffi.cast("void *", address + 1), page - 2) == 0
+        assert _resident_pages(address, page).all()
+    finally:
+        view.release()
+        mapping.close()
+
+
+def test_decoder_page_out_drops_a_file_weight_and_stops_where_the_platform_refuses(
+    tmp_path, monkeypatch
+):
+    from zstd_linear.fileformat import read_file, write_file
+
+    path = tmp_path / "w.zlin"
+    weight = torch.randn(1024, 512)
+    write_file(path, [("w", encode_weight(weight), None)])
+    encoded = read_file(path)[0][1]
+    _drop_from_page_cache(path, encoded.frames[0][0].data.obj)
+    decoder = Decoder(threads=2)
+    out = torch.empty(encoded.original_bytes, dtype=torch.uint8)
+    decoder.decode_into(encoded, out, page_out=True)
+    assert torch.equal(view_weight(out, encoded), weight)  # decoded first, then dropped
+    table = decoder_module._ChunkTable.of(encoded)
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo, hi = -(-min(table.lo) // page) * page, max(table.hi) // page * page
+    assert hi - lo >= 64 * page
+    assert _resident_pages(lo, hi - lo).sum() <= SKIPPED_AT_MOST
+    assert decoder.pages_out
+    # An anonymous copy of the frames is left alone.
+    assert decoder.page_out(encode_weight(weight), range(1))
+    # Where the platform has no MADV_PAGEOUT, page_out says so and stops asking.
+    calls = []
+
+    def refused(self, chunks):
+        calls.append(chunks)
+        return lib.ZL_ERR_UNSUPPORTED
+
+    monkeypatch.setattr(decoder_module._ChunkTable, "page_out", refused)
+    assert not decoder.page_out(encoded, range(2))
+    assert not decoder.pages_out
+    decoder.decode_chunks_into(
+        encoded, range(1), out[: encoded.span_range(range(1))[1] * 4], page_out=True
+    )
+    assert calls == [range(2)]  # not asked again
+    decoder.close()
 
 
 def test_read_file_leaves_its_mapping_advised_random(tmp_path):

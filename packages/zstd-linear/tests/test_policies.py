@@ -472,6 +472,100 @@ def test_memory_limit_keeps_room_for_the_mapped_frames_and_charges_what_pinning_
             assert torch.equal(model(x), plain(x))
 
 
+def test_a_limit_short_of_the_frames_keeps_what_fits_cached_and_drops_the_rest(
+    tmp_path, monkeypatch
+):
+    """A memory_limit that leaves the page cache room for some of the mapped frames only:
+    nothing is pinned, the frames of the largest weights that fit stay cached
+    (choose_cached), every other weight's frames leave the page cache once decoded
+    (mincore over their whole pages after a pass), the plan is made again when the
+    second pass starts, from what the process holds then, and the outputs stay the
+    plain model's, bit for bit."""
+    import os
+
+    from test_decoder import SKIPPED_AT_MOST, _drop_from_page_cache, _resident_pages
+
+    from zstd_linear import load_compressed, save_compressed
+    from zstd_linear.decoder import _ChunkTable
+    from zstd_linear.policies import budget
+
+    dim = 256  # weights of 64-128 pages, so that each has whole pages of its own
+    saved = make_toy(dim=dim)
+    compress_model(saved, policy="none")
+    path = tmp_path / "toy.zlin"
+    save_compressed(saved, path)
+    held = [500 << 20]  # a fixed reading of what the process holds (see above)
+    monkeypatch.setattr(budget, "resident_bytes", lambda skip: held[0])
+    file_bytes = {n: lyr.encoded.compressed_bytes for n, lyr in compressed_layers(saved).items()}
+    slab = 2 * dim * dim * 4  # the largest weight, decoded: the one slab of window=1
+    first, second = sorted(file_bytes.values(), reverse=True)[:2]
+    room = first + second + 4096
+    model = make_toy(seed=3, dim=dim)
+    load_compressed(
+        path, model, policy="budget", memory_limit=held[0] + slab + room, window=1, headroom_bytes=0
+    )
+    policy = model.__dict__["zstd_linear_runtime"].policy
+    layers = compressed_layers(model)
+    _drop_from_page_cache(path, next(iter(layers.values())).encoded.frames[0][0].data.obj)
+    assert policy.page_cache_room == room
+    assert policy.pinned == frozenset() and policy.budget_bytes == 0
+    kept = set(budget.choose_cached(file_bytes, room))
+    assert policy.cached_frames == kept and len(kept) == 2
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident(name):
+        table = _ChunkTable.of(layers[name].encoded)
+        lo, hi = -(-min(table.lo) // page) * page, max(table.hi) // page * page
+        return _resident_pages(lo, hi - lo)
+
+    plain = make_toy(dim=dim)
+    x = torch.randn(2, dim)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+    left = total = 0
+    for name in layers:
+        pages = resident(name)
+        assert pages.size >= 48
+        if name in kept:
+            assert pages.all(), name
+        else:
+            assert pages.sum() <= SKIPPED_AT_MOST, name
+            left, total = left + pages.sum(), total + pages.size
+    assert left <= total // 4
+    # The first pass grew what the process holds: the second plans again in less room.
+    held[0] += second + 4096
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
+    assert policy.page_cache_room == first
+    now = set(budget.choose_cached(file_bytes, first))
+    assert policy.cached_frames == now and len(now) == 1 and now < kept
+    for name in kept - now:
+        assert resident(name).sum() <= SKIPPED_AT_MOST, name
+    # With room for every frame, none is dropped (the policy as before).
+    model = make_toy(seed=3, dim=dim)
+    load_compressed(
+        path,
+        model,
+        policy="budget",
+        memory_limit=held[0] + slab + sum(file_bytes.values()),
+        window=1,
+        headroom_bytes=0,
+    )
+    policy = model.__dict__["zstd_linear_runtime"].policy
+    assert policy.cached_frames == frozenset(file_bytes)
+    assert not any(policy.pages_out(n) for n in file_bytes)
+
+
+def test_choose_cached_keeps_the_most_bytes_largest_first():
+    from zstd_linear.policies.budget import choose_cached
+
+    sizes = {"a": 50, "b": 40, "c": 30, "d": 25, "e": 5}
+    assert choose_cached(sizes, 100) == ["a", "b", "e"]  # c no longer fits after a, b
+    assert choose_cached(sizes, 150) == list(sizes)
+    assert choose_cached(sizes, 4) == []
+    assert choose_cached({"x": 10, "y": 10}, 10) == ["x"]  # ties: by name
+
+
 def test_cgroup_memory_limit_reads_a_real_group():
     """A child process in a fresh cgroup v1 memory group, limited to 300 MiB, reads that
     limit. Needs root and a v1 memory hierarchy (this machine and CI have both)."""

@@ -152,6 +152,15 @@ class _ChunkTable:
             )
             lib.zl_will_need(ffi.cast("void *", lo), hi - lo)
 
+    def page_out(self, chunks: range) -> int:
+        """Drop the frames of ``chunks`` from the page cache now (``zl_page_out``: the
+        whole pages of their address range; a no-op returning 0 for frames in anonymous
+        memory). Returns 0, or what ``zl_page_out`` returned."""
+        if not self.file_backed:
+            return 0
+        lo, hi = min(self.lo[chunks.start : chunks.stop]), max(self.hi[chunks.start : chunks.stop])
+        return lib.zl_page_out(ffi.cast("void *", lo), hi - lo)
+
     @staticmethod
     def of(encoded: EncodedWeight) -> _ChunkTable:
         """The table of ``encoded``, built on first use and kept until ``encoded`` is
@@ -226,7 +235,8 @@ class Decoder:
         threads: decode threads, >= 1 (1: in the calling thread; default min(2, cores)).
         backend: ``"auto"`` (default: ``"c"`` where python-zstandard has its cffi
             module, else ``"python"``), ``"c"`` or ``"python"``; see the module
-            docstring. ``self.backend`` says which one decodes.
+            docstring. ``self.backend`` says which one decodes; ``self.pages_out``
+            whether ``page_out`` still drops frames (False once the platform refused).
 
     Raises:
         ZstdLinearError: a bad ``threads`` or ``backend``, or ``"c"`` where the cffi
@@ -245,6 +255,8 @@ class Decoder:
         if backend == "auto":
             backend = "c" if c_backend_available() else "python"
         self.backend = backend
+        # False once the platform refused a page-out (see page_out).
+        self.pages_out = True
         self._scratch = _Scratch()
         # The C backend decodes one run in the calling thread and the others in the pool;
         # the Python backend hands every chunk to the pool.
@@ -255,19 +267,22 @@ class Decoder:
             else None
         )
 
-    def decode_into(self, encoded: EncodedWeight, out: torch.Tensor) -> None:
+    def decode_into(
+        self, encoded: EncodedWeight, out: torch.Tensor, *, page_out: bool = False
+    ) -> None:
         """Decode a weight into a buffer.
 
         Args:
             encoded: the weight.
             out: (original_bytes,) uint8, contiguous, on the CPU; ``view_weight`` reads
                 it as the weight.
+            page_out: then drop its frames from the page cache (``page_out``).
 
         Raises:
             ZstdLinearError: ``out`` is not such a tensor; nothing is decoded.
             DecodeError: a frame does not decode.
         """
-        self.decode_many([(encoded, out)])
+        self._decode_pairs([(encoded, out)], page_out)
 
     def decode_many(self, pairs: Iterable[tuple[EncodedWeight, torch.Tensor]]) -> None:
         """Decode several weights at once, each into its ``out`` (as ``decode_into``).
@@ -284,6 +299,11 @@ class Decoder:
             ZstdLinearError: an ``out`` of the wrong dtype, size or layout.
             DecodeError: a frame does not decode.
         """
+        self._decode_pairs(pairs, False)
+
+    def _decode_pairs(
+        self, pairs: Iterable[tuple[EncodedWeight, torch.Tensor]], page_out: bool
+    ) -> None:
         pairs = list(pairs)
         segments = []
         for encoded, out in pairs:
@@ -301,10 +321,12 @@ class Decoder:
                 raise ZstdLinearError(
                     f"out must be a uint8 tensor of {encoded.original_bytes} bytes, got {got}"
                 )
-            segments.append((encoded, range(len(encoded.frames)), out.numpy(), 0))
+            segments.append((encoded, range(len(encoded.frames)), out.numpy(), 0, page_out))
         self._run(segments)
 
-    def decode_chunks_into(self, encoded: EncodedWeight, chunks: range, out: torch.Tensor) -> None:
+    def decode_chunks_into(
+        self, encoded: EncodedWeight, chunks: range, out: torch.Tensor, *, page_out: bool = False
+    ) -> None:
         """Decode consecutive chunks of a weight, shared among the threads.
 
         Args:
@@ -312,6 +334,7 @@ class Decoder:
             chunks: a non-empty range(a, b) of chunk indices, step 1.
             out: uint8, contiguous, on the CPU, exactly the chunks' bytes (elements
                 ``encoded.span_range(chunks)``, row-major).
+            page_out: then drop the chunks' frames from the page cache (``page_out``).
 
         Raises:
             ZstdLinearError: a bad ``chunks`` or ``out``; nothing is decoded.
@@ -332,7 +355,7 @@ class Decoder:
                 f"out must be a contiguous uint8 tensor of {nbytes} bytes, got {out.dtype} "
                 f"of {out.numel()}"
             )
-        self._run([(encoded, chunks, out.numpy(), first * width)])
+        self._run([(encoded, chunks, out.numpy(), first * width, page_out)])
 
     def decode_chunk_into(self, encoded: EncodedWeight, c: int, out: torch.Tensor) -> None:
         """Decode one chunk of a weight, in the calling thread.
@@ -357,6 +380,30 @@ class Decoder:
             )
         self._decode_segment(encoded, range(c, c + 1), out.numpy(), start * encoded.itemsize)
 
+    def page_out(self, encoded: EncodedWeight, chunks: range) -> bool:
+        """Drop the frames of a file-backed weight's ``chunks`` from the page cache
+        (``madvise(MADV_PAGEOUT)``), once they are decoded and not needed until the next
+        pass: under a hard memory limit that cannot cache every frame, the streamed
+        frames then leave the page cache to the ones kept (``Budget``) instead of
+        evicting them. Frames in anonymous memory are left alone.
+
+        Where the platform cannot (no ``MADV_PAGEOUT``, Linux before 5.4), nothing is
+        dropped and ``pages_out`` turns False for the rest of the decoder's life.
+
+        Args:
+            encoded: the weight.
+            chunks: a range(a, b) of its chunk indices, step 1.
+
+        Returns:
+            Whether the frames were dropped (or are not file-backed).
+        """
+        if not self.pages_out or not len(chunks):
+            return False
+        code = _ChunkTable.of(encoded).page_out(chunks)
+        if code != 0:
+            self.pages_out = False
+        return code == 0
+
     def decode(self, encoded: EncodedWeight) -> torch.Tensor:
         """Decode a weight into a new tensor.
 
@@ -374,14 +421,15 @@ class Decoder:
         return view_weight(out, encoded)
 
     def _run(self, segments: list) -> None:
-        """Decode ``segments`` ((encoded, chunks, target, origin) each: ``target`` holds
-        the weight's bytes from byte ``origin`` on) on the threads, one contiguous run of
+        """Decode ``segments`` ((encoded, chunks, target, origin, page_out) each:
+        ``target`` holds the weight's bytes from byte ``origin`` on; with ``page_out``
+        each thread drops the frames it decoded) on the threads, one contiguous run of
         chunks per thread (the Python backend: one task per chunk); on an error the other
         chunks are decoded, then the first error is raised."""
         if self.backend == "python":
             segments = [
-                (encoded, range(c, c + 1), target, origin)
-                for encoded, chunks, target, origin in segments
+                (encoded, range(c, c + 1), target, origin, drop)
+                for encoded, chunks, target, origin, drop in segments
                 for c in chunks
             ]
             runs = [[segment] for segment in segments]
@@ -411,11 +459,28 @@ class Decoder:
         return first
 
     def _decode_segment(
-        self, encoded: EncodedWeight, chunks: range, target: np.ndarray, origin: int
+        self,
+        encoded: EncodedWeight,
+        chunks: range,
+        target: np.ndarray,
+        origin: int,
+        page_out: bool = False,
     ) -> None:
         """Decode ``chunks`` of ``encoded`` into ``target`` (the weight's bytes from byte
         ``origin`` on); on an error the segment's other chunks are decoded, then the first
-        error is raised."""
+        error is raised. With ``page_out``, then drop their frames (``page_out``): from
+        the thread that read them, whose CPU still holds the newest of those pages in its
+        batch of pages not yet on the kernel's LRU lists, which a page-out from another
+        CPU would skip."""
+        try:
+            self._decode_chunks(encoded, chunks, target, origin)
+        finally:
+            if page_out:
+                self.page_out(encoded, chunks)
+
+    def _decode_chunks(
+        self, encoded: EncodedWeight, chunks: range, target: np.ndarray, origin: int
+    ) -> None:
         if self.backend == "python":
             width = encoded.itemsize
             for c in chunks:
@@ -518,11 +583,11 @@ def _split_runs(segments: list, threads: int) -> list[list]:
     the same number of decoded bytes; a segment may be cut between two runs. Computed
     per segment and run, not per chunk: a weight's chunks all hold ``chunk_elems``
     elements but its last."""
-    if threads == 1 or sum(len(chunks) for _, chunks, _, _ in segments) <= 1:
+    if threads == 1 or sum(len(segment[1]) for segment in segments) <= 1:
         return [segments]
-    total = sum(encoded.span_bytes(chunks) for encoded, chunks, _, _ in segments)
+    total = sum(encoded.span_bytes(chunks) for encoded, chunks, *_ in segments)
     runs, run, done, k = [], [], 0, 1
-    for encoded, chunks, target, origin in segments:
+    for encoded, chunks, *rest in segments:
         step = encoded.chunk_elems * encoded.itemsize
         start = chunks.start
         while start < chunks.stop:
@@ -531,7 +596,7 @@ def _split_runs(segments: list, threads: int) -> list[list]:
             if k < threads:
                 stop = min(stop, start + max(1, math.ceil((goal - done) / step)))
             part = range(start, stop)
-            run.append((encoded, part, target, origin))
+            run.append((encoded, part, *rest))
             done += encoded.span_bytes(part)
             start = stop
             if k < threads and done >= goal:

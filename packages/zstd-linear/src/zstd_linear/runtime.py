@@ -164,10 +164,13 @@ class ModelRuntime:
         start = time.perf_counter()
         carry = row = 0  # elements from row ``row`` on, already at the buffer's front
         chunks = len(encoded.frames)
+        page_out = self.policy.pages_out(name)
         for span in encoded.chunk_groups(STREAM_GROUP_BYTES):
             lo, hi = encoded.span_range(span)
             total = carry + hi - lo
-            self.decoder.decode_chunks_into(encoded, span, buf[carry * width : total * width])
+            self.decoder.decode_chunks_into(
+                encoded, span, buf[carry * width : total * width], page_out=page_out
+            )
             rows = total // in_features
             if span.stop < chunks:
                 rows -= rows % STREAM_ROW_BLOCK
@@ -206,7 +209,7 @@ class ModelRuntime:
         encoded = self.layers[name].encoded
         target = buf[: encoded.original_bytes]
         start = time.perf_counter()
-        self.decoder.decode_into(encoded, target)
+        self.decoder.decode_into(encoded, target, page_out=self.policy.pages_out(name))
         seconds = time.perf_counter() - start
         with self._stats_lock:
             self.stats.decompressions += 1

@@ -110,6 +110,19 @@ class CachePolicy(ABC):
         """
         return False
 
+    def pages_out(self, name: str) -> bool:
+        """Whether layer ``name``'s compressed frames leave the page cache once decoded
+        (the runtime then drops them: ``Decoder.page_out``). A policy that knows the
+        process's memory limit says True for the frames it does not keep cached.
+
+        Args:
+            name: the layer's fully qualified name.
+
+        Returns:
+            True to drop them after each decode.
+        """
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Give every buffer back; the policy is not used afterwards."""

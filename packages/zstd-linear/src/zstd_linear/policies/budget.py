@@ -25,6 +25,11 @@ _BITPACK_COST = 2.0  # unpacked at about half of memcpy's speed (benchmarks/code
 _FRAME_COST = {"raw": 1.0, "bitpack": _BITPACK_COST, "zstd": _ZSTD_COST}
 _JOIN_COST = 1.0
 DEFAULT_HEADROOM_BYTES = 64 << 20
+#: The pass at whose start the page-cache plan is made again (see Budget): the first
+#: pass has run the model's code and allocated its buffers by then, which the plan made
+#: at load cannot see (SmolLM2 stacked under 480 MiB, 2026-12-07, one run each: 75 MiB
+#: of room at load, 57-67 at passes 2-6; caching 78 MiB read 149 MiB a token, 64 MiB 137).
+REPLAN_PASS = 2
 
 
 def decode_cost(encoded) -> float:
@@ -53,6 +58,19 @@ def choose_pinned(sizes: dict[str, int], costs: dict[str, float], budget: int) -
     return chosen
 
 
+def choose_cached(sizes: dict[str, int], room: int) -> list[str]:
+    """Keys of ``sizes`` (the compressed bytes each weight reads from its file every
+    pass) whose frames fit ``room`` bytes of page cache together, the largest first,
+    then any smaller one that still fits. Every frame is read once a pass, so each byte
+    kept cached is a byte not read again, whichever weight holds it."""
+    chosen, used = [], 0
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        if used + sizes[key] <= room:
+            chosen.append(key)
+            used += sizes[key]
+    return chosen
+
+
 def frame_addresses(store: BackingStore) -> list[int]:
     """One address inside each distinct mapping the store's file-backed frames live in."""
     seen: dict[int, int] = {}
@@ -78,6 +96,15 @@ class Budget(CachePolicy):
     pinned layer is charged its decoded bytes less its file-backed compressed bytes,
     which it no longer reads. ``budget_bytes`` is then that memory. window: as for
     per_pass_prefetch.
+
+    Where even the mapped compressed bytes do not fit what is left (``page_cache_room``
+    < their total: nothing is pinned), streaming every weight through the page cache
+    would evict each frame before the next pass reads it again. The policy then keeps
+    the frames of as many bytes of weights as fit in the page cache
+    (``cached_frames``, by ``choose_cached``) and drops every other weight's frames as
+    soon as they are decoded (``pages_out``; ``Decoder.page_out``), so each pass reads
+    from storage only the frames it does not keep. The plan is made at load and again
+    when the second pass starts (``REPLAN_PASS``), from what the process holds then.
 
     ``hit_rates`` lists, per finished pass, the fraction of layer calls served by a
     pinned weight without a decode.
@@ -118,17 +145,20 @@ class Budget(CachePolicy):
         sizes = {n: e.original_bytes for n, e in store.encoded.items()}
         costs = {n: decode_cost(e) for n, e in store.encoded.items()}
         charges = sizes
+        self.memory_limit = memory_limit
+        self._reserve = window * store.pool.slab_bytes + store.stream_bytes + headroom_bytes
+        #: bytes of page cache the frames may use (None without ``memory_limit``)
+        self.page_cache_room: int | None = None
+        #: the layers whose compressed frames stay in the page cache between passes
+        self.cached_frames: frozenset[str] = frozenset(store.encoded)
+        self._dropped: frozenset[str] = frozenset()
         if memory_limit is not None:
-            stored = {id(e): e for e in store.encoded.values()}.values()  # a tie counts once
-            mapped = sum(e.file_backed_bytes for e in stored)
-            reserve = window * store.pool.slab_bytes + store.stream_bytes + headroom_bytes
-            held = resident_bytes(frame_addresses(store))
-            budget_bytes = max(0, memory_limit - held - reserve - mapped)
+            room = self._plan_page_cache()
+            budget_bytes = max(0, room - self._mapped_bytes())
             charges = {
                 n: max(0, e.original_bytes - e.file_backed_bytes) for n, e in store.encoded.items()
             }
         self.budget_bytes = budget_bytes
-        self.memory_limit = memory_limit
         self.pinned: frozenset[str] = frozenset(choose_pinned(charges, costs, budget_bytes))
         self.pinned_bytes = sum(sizes[n] for n in self.pinned)
         self._buffers: dict[str, torch.Tensor] = {}
@@ -136,7 +166,43 @@ class Budget(CachePolicy):
         self.hit_rates: list[float] = []
         self._hits = self._calls = 0
 
+    def _mapped_bytes(self, skip: frozenset[str] = frozenset()) -> int:
+        """The compressed bytes the layers but ``skip`` read from a mapped file (a tie
+        counts once)."""
+        stored = {id(e): e for n, e in self.store.encoded.items() if n not in skip}.values()
+        return sum(e.file_backed_bytes for e in stored)
+
+    def _plan_page_cache(self) -> int:
+        """Measure what the process holds now and choose the frames kept in the page
+        cache (``cached_frames``; the others are dropped once decoded) in what the limit
+        leaves of it less the reserve. A pinned layer's frames are not read again and
+        need no room. Returns that room (``page_cache_room``)."""
+        pinned = getattr(self, "pinned", frozenset())  # chosen after the plan made at load
+        held = resident_bytes(frame_addresses(self.store))
+        self.page_cache_room = room = max(0, self.memory_limit - held - self._reserve)
+        dropped: set[str] = set()
+        if room < self._mapped_bytes(pinned):
+            names: dict[int, list[str]] = {}  # a tie's layers share their frames
+            for n, e in self.store.encoded.items():
+                if n not in pinned:
+                    names.setdefault(id(e), []).append(n)
+            first = {ns[0]: self.store.encoded[ns[0]].file_backed_bytes for ns in names.values()}
+            kept = {id(self.store.encoded[n]) for n in choose_cached(first, room)}
+            dropped = {
+                n
+                for ns in names.values()
+                for n in ns
+                if id(self.store.encoded[n]) not in kept and self.store.encoded[n].file_backed_bytes
+            }
+        self._dropped = frozenset(dropped)
+        self.cached_frames = frozenset(self.store.encoded) - self._dropped
+        return room
+
     def on_pass_start(self, index: int) -> None:
+        if index == REPLAN_PASS and self.memory_limit is not None:
+            # What the first pass left resident (the code it ran, the buffers it and the
+            # model's other parts allocated) is measured now; the pinned set stays.
+            self._plan_page_cache()
         if self._calls:
             self.hit_rates.append(self._hits / self._calls)
         self._hits = self._calls = 0
@@ -160,6 +226,9 @@ class Budget(CachePolicy):
 
     def keeps(self, name: str) -> bool:
         return name in self.pinned
+
+    def pages_out(self, name: str) -> bool:
+        return name in self._dropped
 
     def cached(self) -> list[str]:
         """The pinned layers decoded so far.
