@@ -269,19 +269,25 @@ def _resident_pages(mapping_address: int, length: int) -> np.ndarray:
     return np.frombuffer(bytes(vec), np.uint8) & 1
 
 
-def test_will_need_reads_exactly_the_frames_asked_for(tmp_path):
-    """zl_will_need reads the range it is given into the page cache; under MADV_RANDOM
-    (as read_file leaves a .zlin mapping) nothing around it is read ahead."""
-    path = tmp_path / "pages.bin"
-    path.write_bytes(np.random.default_rng(0).integers(0, 256, 16 << 20, np.uint8).tobytes())
+def _uncached_random_mapping(path: Path, size: int, seed: int):
+    """A file of ``size`` random bytes, synced and out of the page cache, mapped read-only
+    and MADV_RANDOM (as read_file leaves a .zlin mapping): (mapping, view, address)."""
+    path.write_bytes(np.random.default_rng(seed).integers(0, 256, size, np.uint8).tobytes())
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     mapping.madvise(mmap.MADV_RANDOM)
     view = memoryview(mapping)
     with ffi.from_buffer("uint8_t[]", view) as data:
         address = int(ffi.cast("uintptr_t", data))
+    return mapping, view, address
+
+
+def test_will_need_reads_exactly_the_frames_asked_for(tmp_path):
+    """zl_will_need reads the range it is given into the page cache; under MADV_RANDOM
+    (as read_file leaves a .zlin mapping) nothing around it is read ahead."""
+    mapping, view, address = _uncached_random_mapping(tmp_path / "pages.bin", 16 << 20, 0)
     try:
         before = _resident_pages(address, 16 << 20)
         assert before.sum() <= 16, before.sum()  # dropped (a few may stay)
@@ -319,19 +325,9 @@ def test_page_out_drops_the_whole_pages_of_the_range_and_keeps_the_rest(tmp_path
     """zl_page_out reclaims the pages wholly inside its range (MADV_PAGEOUT, Linux 5.4+)
     and leaves the two pages its ends fall in, and everything outside, in the page
     cache."""
-    path = tmp_path / "pages.bin"
-    path.write_bytes(np.random.default_rng(1).integers(0, 256, 4 << 20, np.uint8).tobytes())
-    with open(path, "rb") as f:
-        # Clean pages, out of the page cache, then read back a page at a time (as a .zlin
-        # mapping is, MADV_RANDOM): the kernel reclaims such pages at once. The large
-        # folios write() leaves in the page cache are not split to drop part of one.
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    mapping.madvise(mmap.MADV_RANDOM)
-    view = memoryview(mapping)
-    with ffi.from_buffer("uint8_t[]", view) as data:
-        address = int(ffi.cast("uintptr_t", data))
+    # Read back a page at a time: the kernel reclaims such pages at once. The large
+    # folios write() leaves in the page cache are not split to drop part of one.
+    mapping, view, address = _uncached_random_mapping(tmp_path / "pages.bin", 4 << 20, 1)
     try:
         assert int(np.frombuffer(view, np.uint8).sum()) > 0  # every page read, so cached
         page = os.sysconf("SC_PAGE_SIZE")
