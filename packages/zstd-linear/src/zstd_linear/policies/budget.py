@@ -168,34 +168,27 @@ class Budget(CachePolicy):
         self.hit_rates: list[float] = []
         self._hits = self._calls = 0
 
-    def _mapped_bytes(self, skip: frozenset[str] = frozenset()) -> int:
-        """The compressed bytes the layers but ``skip`` read from a mapped file (a tie
-        counts once)."""
-        stored = {id(e): e for n, e in self.store.encoded.items() if n not in skip}.values()
+    def _mapped_bytes(self) -> int:
+        """The compressed bytes the layers read from a mapped file (a tie counts once)."""
+        stored = {id(e): e for e in self.store.encoded.values()}.values()
         return sum(e.file_backed_bytes for e in stored)
 
     def _plan_page_cache(self) -> int:
         """Measure what the process holds now and choose the frames kept in the page
         cache (``cached_frames``; the others are dropped once decoded) in what the limit
-        leaves of it less the reserve. A pinned layer's frames are not read again and
-        need no room. Returns that room (``page_cache_room``)."""
-        pinned = getattr(self, "pinned", frozenset())  # chosen after the plan made at load
+        leaves of it less the reserve. Returns that room (``page_cache_room``). Nothing is
+        pinned where frames are dropped, so every layer's frames are read each pass."""
         held = resident_bytes(frame_addresses(self.store))
         self.page_cache_room = room = max(0, self.memory_limit - held - self._reserve)
         dropped: set[str] = set()
-        if room < self._mapped_bytes(pinned):
-            names: dict[int, list[str]] = {}  # a tie's layers share their frames
-            for n, e in self.store.encoded.items():
-                if n not in pinned:
-                    names.setdefault(id(e), []).append(n)
-            first = {ns[0]: self.store.encoded[ns[0]].file_backed_bytes for ns in names.values()}
-            kept = {id(self.store.encoded[n]) for n in choose_cached(first, room)}
-            dropped = {
-                n
-                for ns in names.values()
-                for n in ns
-                if id(self.store.encoded[n]) not in kept and self.store.encoded[n].file_backed_bytes
-            }
+        if room < self._mapped_bytes():
+            encoded = self.store.encoded
+            first: dict[int, str] = {}  # a tie's layers share their frames: one name each
+            for n, e in encoded.items():
+                first.setdefault(id(e), n)
+            sizes = {n: encoded[n].file_backed_bytes for n in first.values()}
+            kept = {id(encoded[n]) for n in choose_cached(sizes, room)}
+            dropped = {n for n, e in encoded.items() if id(e) not in kept and e.file_backed_bytes}
         self._dropped = frozenset(dropped)
         self.cached_frames = frozenset(self.store.encoded) - self._dropped
         return room
