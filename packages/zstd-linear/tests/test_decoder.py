@@ -388,6 +388,39 @@ def test_decoder_page_out_drops_a_file_weight_and_stops_where_the_platform_refus
     decoder.close()
 
 
+def test_decoder_will_need_reads_a_dropped_file_weight_back_without_a_decode(tmp_path):
+    """Decoder.will_need starts reading a file weight's frames (posix_madvise WILLNEED):
+    its pages come back into the page cache without a fault; a weight in anonymous
+    memory, or an empty range, is left alone."""
+    import time
+
+    from zstd_linear.fileformat import read_file, write_file
+
+    path = tmp_path / "w.zlin"
+    weight = torch.randn(1024, 512)
+    write_file(path, [("w", encode_weight(weight), None)])
+    encoded = read_file(path)[0][1]
+    _drop_from_page_cache(path, encoded.frames[0][0].data.obj)
+    table = decoder_module._ChunkTable.of(encoded)
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo, hi = -(-min(table.lo) // page) * page, max(table.hi) // page * page
+    assert hi - lo >= 64 * page
+    assert _resident_pages(lo, hi - lo).sum() <= SKIPPED_AT_MOST
+    decoder = Decoder(threads=1)
+    decoder.will_need(encoded, range(0))
+    assert _resident_pages(lo, hi - lo).sum() <= SKIPPED_AT_MOST
+    decoder.will_need(encoded)
+    deadline = time.monotonic() + 10  # the read is asynchronous
+    while not _resident_pages(lo, hi - lo).all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _resident_pages(lo, hi - lo).all()
+    decoder.will_need(encode_weight(weight))  # anonymous frames: nothing to read
+    out = torch.empty(encoded.original_bytes, dtype=torch.uint8)
+    decoder.decode_into(encoded, out)
+    assert torch.equal(view_weight(out, encoded), weight)
+    decoder.close()
+
+
 def test_read_file_leaves_its_mapping_advised_random(tmp_path):
     from zstd_linear.fileformat import read_file, write_file
 

@@ -204,3 +204,54 @@ def test_smollm2_with_its_tied_embedding_compressed_gives_identical_logits(
     sequences, logits = generate(loaded, ids)
     assert torch.equal(sequences, ref_sequences)
     assert torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("groups_ahead", [0, 1, 3, 100])
+def test_a_streamed_head_whose_frames_are_dropped_reads_its_next_groups_ahead(
+    tmp_path, monkeypatch, groups_ahead
+):
+    """A streamed lm_head whose frames the policy drops after decoding (``pages_out``)
+    asks for the groups after the one decoding, each once and in order, never more than
+    ``read_ahead_bytes`` of frames ahead; its output stays the plain model's."""
+    from zstd_linear import runtime
+
+    monkeypatch.setattr(runtime, "STREAM_GROUP_BYTES", 4096)  # a group per chunk: 8
+    plain, model = tiny(), tiny()
+    compress_model(model, embeddings=True, chunk_bytes=4096)
+    path = tmp_path / "tiny.zlin"
+    save_compressed(model, path)
+    fresh = tiny(seed=7)
+    load_compressed(path, fresh, policy="per_pass_prefetch")
+    rt = runtime_of(fresh)
+    encoded = rt.layers["head"].encoded
+    spans = encoded.chunk_groups(4096)
+    sizes = [runtime._span_file_bytes(encoded, s) for s in spans]
+    assert len(spans) == 8 and all(sizes)
+    ahead = sum(sorted(sizes)[-groups_ahead:]) if groups_ahead else 0
+    monkeypatch.setattr(rt.policy, "pages_out", lambda name: name == "head")
+    monkeypatch.setattr(rt.policy, "read_ahead_bytes", ahead, raising=False)
+    events = []
+    decode = rt.decoder.decode_chunks_into
+    monkeypatch.setattr(
+        rt.decoder,
+        "will_need",
+        lambda enc, chunks=None: events.append(("ask", spans.index(chunks))),
+    )
+
+    def decoding(enc, span, out, page_out=False):
+        events.append(("decode", spans.index(span)))
+        return decode(enc, span, out, page_out=page_out)
+
+    monkeypatch.setattr(rt.decoder, "decode_chunks_into", decoding)
+    ids = torch.randint(0, VOCAB, (1, 1))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), plain(ids))
+    asked = [j for kind, j in events if kind == "ask"]
+    assert [j for kind, j in events if kind == "decode"] == list(range(8))
+    assert asked == (list(range(1, 8)) if groups_ahead else [])
+    current = 0  # the group decoding next: a group's asks come just before its decode
+    for kind, j in events:
+        if kind == "decode":
+            current = j + 1
+        else:  # the groups asked past the one decoding
+            assert j > current and sum(sizes[current + 1 : j + 1]) <= ahead

@@ -502,9 +502,16 @@ def test_a_limit_short_of_the_frames_keeps_what_fits_cached_and_drops_the_rest(
     room = first + second + 4096
     model = make_toy(seed=3, dim=dim)
     load_compressed(
-        path, model, policy="budget", memory_limit=held[0] + slab + room, window=1, headroom_bytes=0
+        path,
+        model,
+        policy="budget",
+        memory_limit=held[0] + slab + room,
+        window=1,
+        headroom_bytes=0,
+        read_ahead_bytes=0,
     )
     policy = model.__dict__["zstd_linear_runtime"].policy
+    assert policy.read_ahead_bytes == 0
     layers = compressed_layers(model)
     _drop_from_page_cache(path, next(iter(layers.values())).encoded.frames[0][0].data.obj)
     assert policy.page_cache_room == room
@@ -560,6 +567,135 @@ def test_a_limit_short_of_the_frames_keeps_what_fits_cached_and_drops_the_rest(
         for _ in range(3):
             assert torch.equal(model(x), plain(x))
     assert policy.cached_frames == frozenset(file_bytes)
+
+
+def _saved_toy(tmp_path):
+    """The toy compressed and saved: its .zlin path and each layer's frame bytes."""
+    from zstd_linear import save_compressed
+
+    saved = make_toy()
+    compress_model(saved, policy="none")
+    path = tmp_path / "toy.zlin"
+    save_compressed(saved, path)
+    return path, {n: lyr.encoded.compressed_bytes for n, lyr in compressed_layers(saved).items()}
+
+
+def _asks(monkeypatch, model) -> list[str]:
+    """The layer names the model's runtime asks the kernel to read ahead, as asked."""
+    from zstd_linear.model import runtime_of
+
+    rt = runtime_of(model)
+    names = {id(lyr.encoded): n for n, lyr in rt.layers.items()}
+    asked: list[str] = []
+    monkeypatch.setattr(
+        rt.decoder, "will_need", lambda encoded, chunks=None: asked.append(names[id(encoded)])
+    )
+    return asked
+
+
+def test_prefetch_reads_the_next_layers_frames_ahead_within_its_bytes(tmp_path, monkeypatch):
+    """per_pass_prefetch with read_ahead_bytes asks for the frames of the layers after
+    the one handed to its thread, in the recorded order and across the end of a pass,
+    each once a pass, never more bytes ahead than it was given; nothing while it records
+    the first pass, nothing without read_ahead_bytes, nothing for frames in anonymous
+    memory; the outputs are the plain model's."""
+    from zstd_linear import load_compressed
+
+    path, sizes = _saved_toy(tmp_path)
+    order = [f"blocks.{i}.{n}" for i in range(3) for n in ("q_proj", "up_proj", "down_proj")]
+    ahead = sizes[order[1]] + sizes[order[2]]  # two layers after the first, at most
+    model = make_toy(seed=3)
+    load_compressed(path, model, policy="per_pass_prefetch", window=1, read_ahead_bytes=ahead)
+    asked = _asks(monkeypatch, model)
+    policy = model.__dict__["zstd_linear_runtime"].policy
+    plain = make_toy()
+    with torch.no_grad():
+        x = torch.randn(2, 32)
+        assert torch.equal(model(x), plain(x))
+        assert asked == []  # the first pass records the order
+        for passes in range(1, 4):
+            assert torch.equal(model(x), plain(x))
+            assert policy._ahead_bytes <= ahead
+            # Handed out: order[0] at the pass's start, then each layer as the one before
+            # it is released; asked: the layers after the one handed out, in order.
+            handed = passes * N_LAYERS + 1
+            assert asked == [order[i % N_LAYERS] for i in range(1, len(asked) + 1)]
+            assert handed - 1 <= len(asked) <= handed + 1
+    # Without read_ahead_bytes, or with the frames in anonymous memory: nothing asked.
+    for options in ({"read_ahead_bytes": 0}, {}):
+        model = make_toy(seed=3)
+        load_compressed(path, model, policy="per_pass_prefetch", window=1, **options)
+        asked = _asks(monkeypatch, model)
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        assert asked == []
+    model = make_toy()
+    compress_model(model, policy="per_pass_prefetch", read_ahead_bytes=1 << 20)
+    asked = _asks(monkeypatch, model)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), plain(x))
+    assert asked == []
+
+
+def test_a_limit_short_of_the_frames_reads_the_dropped_ones_ahead(tmp_path, monkeypatch):
+    """Under a memory_limit short of the frames, budget reads the frames it drops ahead
+    of their decode (read_ahead_bytes, default READ_AHEAD_BYTES), never the ones it keeps
+    cached; the pages read ahead are counted in the headroom first, so only a read-ahead
+    larger than the headroom makes the room for kept frames smaller. With room for every
+    frame nothing is read ahead."""
+    from zstd_linear import load_compressed
+    from zstd_linear.policies import budget
+
+    path, sizes = _saved_toy(tmp_path)
+    held = 500 << 20
+    monkeypatch.setattr(budget, "resident_bytes", lambda skip: held)
+    room = max(sizes.values()) + 1  # one layer's frames
+    plain = make_toy()
+    x = torch.randn(2, 32)
+
+    def loaded(**options):
+        model = make_toy(seed=3)
+        load_compressed(path, model, policy="budget", window=1, **options)
+        return model, model.__dict__["zstd_linear_runtime"].policy
+
+    limit = held + SLAB + room  # what the toy's one slab leaves: `room`
+    _, policy = loaded(memory_limit=limit, headroom_bytes=0, read_ahead_bytes=64)
+    assert policy.read_ahead_bytes == 64 and policy.page_cache_room == room - 64
+    _, policy = loaded(memory_limit=limit + 100, headroom_bytes=100, read_ahead_bytes=64)
+    assert policy.read_ahead_bytes == 64 and policy.page_cache_room == room
+    model, policy = loaded(memory_limit=limit + (64 << 20))  # the default headroom
+    assert policy.read_ahead_bytes == budget.READ_AHEAD_BYTES
+    assert policy.page_cache_room == room
+    asked = _asks(monkeypatch, model)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), plain(x))
+    dropped = set(sizes) - policy.cached_frames
+    assert len(dropped) == N_LAYERS - 1 and set(asked) == dropped
+    # Room for every frame: none dropped, none read ahead.
+    model, policy = loaded(memory_limit=held + SLAB + sum(sizes.values()) + (64 << 20))
+    assert policy.read_ahead_bytes == 0
+    asked = _asks(monkeypatch, model)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), plain(x))
+    assert asked == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "bad"),
+    [("per_pass_prefetch", bad) for bad in (-1, 1.5, True, "4M", None)]
+    + [("budget", bad) for bad in (-1, 1.5, True, "4M")],  # None: budget's default
+)
+def test_a_bad_read_ahead_is_refused_before_anything_changes(policy, bad):
+    model = make_toy()
+    before = {n: type(m) for n, m in model.named_modules()}
+    opts = {"budget_bytes": 0} if policy == "budget" else {}
+    with pytest.raises(ZstdLinearError, match="read_ahead_bytes must be an int >= 0"):
+        compress_model(model, policy=policy, read_ahead_bytes=bad, **opts)
+    assert {n: type(m) for n, m in model.named_modules()} == before
 
 
 def test_choose_cached_keeps_the_most_bytes_largest_first():

@@ -380,6 +380,21 @@ class Decoder:
             )
         self._decode_segment(encoded, range(c, c + 1), out.numpy(), start * encoded.itemsize)
 
+    def will_need(self, encoded: EncodedWeight, chunks: range | None = None) -> None:
+        """Have the kernel start reading a file-backed weight's frames now
+        (``posix_madvise(WILLNEED)`` over their address range; it returns before the read
+        completes), so that a later decode finds them in the page cache. Frames in
+        anonymous memory are left alone. A policy asks for the layers it decodes next
+        while this one decodes and computes (``PerPassPrefetch``'s ``read_ahead_bytes``).
+
+        Args:
+            encoded: the weight.
+            chunks: a range(a, b) of its chunk indices, step 1; None: every chunk.
+        """
+        chunks = range(len(encoded.frames)) if chunks is None else chunks
+        if len(chunks):
+            _ChunkTable.of(encoded).will_need(chunks)
+
     def page_out(self, encoded: EncodedWeight, chunks: range) -> bool:
         """Drop the frames of a file-backed weight's ``chunks`` from the page cache
         (``madvise(MADV_PAGEOUT)``), once they are decoded and not needed until the next

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,11 @@ STREAM_GROUP_BYTES = 1 << 20
 # CPU: 4 rows for one token, 16 for several): blocks cut anywhere else gave logits that
 # differ in the last bits from the plain model's single F.linear.
 STREAM_ROW_BLOCK = 64
+
+
+def _span_file_bytes(encoded, span: range) -> int:
+    """Bytes of the frames of ``encoded``'s chunks ``span`` that live in a mapped file."""
+    return sum(len(f.data) for c in span for f in encoded.frames[c] if f.file_backed)
 
 
 class ModelRuntime:
@@ -87,6 +93,7 @@ class ModelRuntime:
             encoded={name: lyr.encoded for name, lyr in self.layers.items()},
             record_wait=self._record_wait,
             stream_bytes=max((self._stream_need(n) for n in self.streamed), default=0),
+            will_need=self._will_need,
         )
         # Built before anything else starts threads, so bad options leave nothing behind.
         self.policy: CachePolicy = make_policy(policy, self._store, **policy_options)
@@ -165,7 +172,19 @@ class ModelRuntime:
         carry = row = 0  # elements from row ``row`` on, already at the buffer's front
         chunks = len(encoded.frames)
         page_out = self.policy.pages_out(name)
-        for span in encoded.chunk_groups(STREAM_GROUP_BYTES):
+        spans = encoded.chunk_groups(STREAM_GROUP_BYTES)
+        # Frames not kept cached: the groups after the one decoding are asked from
+        # storage, up to the policy's read_ahead_bytes of compressed bytes ahead.
+        ahead = self.policy.read_ahead_bytes if page_out else 0
+        # ends[k]: file bytes of groups 0..k-1
+        ends = [0, *accumulate(_span_file_bytes(encoded, s) for s in spans)] if ahead else []
+        asked = 1  # groups asked for: the first is asked by its own decode
+        for j, span in enumerate(spans):
+            if ahead:
+                asked = max(asked, j + 1)
+                while asked < len(spans) and ends[asked + 1] - ends[j + 1] <= ahead:
+                    self.decoder.will_need(encoded, spans[asked])
+                    asked += 1
             lo, hi = encoded.span_range(span)
             total = carry + hi - lo
             self.decoder.decode_chunks_into(
@@ -216,6 +235,9 @@ class ModelRuntime:
             self.stats.bytes_decoded += encoded.original_bytes
             self.stats.seconds_decoding += seconds
         return view_weight(target, encoded)
+
+    def _will_need(self, name: str) -> None:
+        self.decoder.will_need(self.layers[name].encoded)
 
     def _record_wait(self, seconds: float) -> None:
         with self._stats_lock:

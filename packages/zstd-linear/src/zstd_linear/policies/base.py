@@ -34,6 +34,9 @@ class BackingStore:
         record_wait: ``record_wait(seconds)``: time a forward call waited for a weight.
         stream_bytes: the buffer the runtime streams a layer tied to an embedding
             through, where it has one (see ``CachePolicy.keeps``); 0 otherwise.
+        will_need: ``will_need(name)``: have the kernel start reading layer ``name``'s
+            compressed frames from their file now (``Decoder.will_need``); nothing for
+            frames in anonymous memory. The default does nothing.
     """
 
     pool: BufferPool
@@ -41,6 +44,7 @@ class BackingStore:
     encoded: Mapping[str, EncodedWeight]
     record_wait: Callable[[float], None]
     stream_bytes: int = 0
+    will_need: Callable[[str], None] = lambda name: None
 
     def nbytes(self, name: str) -> int:
         """The decoded size of a layer.
@@ -109,6 +113,11 @@ class CachePolicy(ABC):
             True when the policy keeps it decoded.
         """
         return False
+
+    #: compressed bytes of the layers' frames asked from storage ahead of their decode
+    #: (``PerPassPrefetch``; the runtime reads a streamed layer's next groups as far
+    #: ahead, where ``pages_out`` says its frames are not kept cached); 0: none
+    read_ahead_bytes: int = 0
 
     def pages_out(self, name: str) -> bool:
         """Whether layer ``name``'s compressed frames leave the page cache once decoded

@@ -14,7 +14,7 @@ import torch
 
 from zstd_linear.errors import ZstdLinearError
 from zstd_linear.policies.base import BackingStore, CachePolicy
-from zstd_linear.policies.prefetch import PerPassPrefetch
+from zstd_linear.policies.prefetch import PerPassPrefetch, check_read_ahead
 from zstd_linear.sysmem import process_memory_limit, resident_bytes
 
 # Decode cost per output byte, relative to a copy: a raw plane is a copy, a zstd plane
@@ -30,6 +30,12 @@ DEFAULT_HEADROOM_BYTES = 64 << 20
 #: at load cannot see (SmolLM2 stacked under 480 MiB, 2026-12-07, one run each: 75 MiB
 #: of room at load, 57-67 at passes 2-6; caching 78 MiB read 149 MiB a token, 64 MiB 137).
 REPLAN_PASS = 2
+#: Compressed bytes read ahead where frames are dropped (``Budget``'s read_ahead_bytes
+#: None). SmolLM2 stacked under 480 MiB read at 200 MB/s (tokens/s, MiB read a token;
+#: 2026-12-07): none 0.88-1.01, 135-136; 1 MiB 1.07-1.23, 137; 2 MiB 1.13-1.27,
+#: 139-142; 4 MiB 1.21-1.24, 140; 8 MiB 1.14-1.17, 146-151 (pages read ahead were
+#: evicted before their decode and read again).
+READ_AHEAD_BYTES = 4 << 20
 
 
 def decode_cost(encoded) -> float:
@@ -105,6 +111,12 @@ class Budget(CachePolicy):
     soon as they are decoded (``pages_out``; ``Decoder.page_out``), so each pass reads
     from storage only the frames it does not keep. Such a plan is made at load and again
     when the second pass starts (``REPLAN_PASS``), from what the process holds then.
+    The dropped frames are then read ahead of their decode (``read_ahead_bytes``, as
+    per_pass_prefetch's; None: ``READ_AHEAD_BYTES``). Those pages are counted in
+    ``headroom_bytes`` (meant for activations and code not run yet, which the second
+    plan finds mostly run and measured); only a read-ahead larger than the headroom
+    takes its excess from the room the frames are kept in. Where every frame fits,
+    nothing is read ahead.
 
     ``hit_rates`` lists, per finished pass, the fraction of layer calls served by a
     pinned weight without a decode.
@@ -120,7 +132,10 @@ class Budget(CachePolicy):
         memory_limit: int | str | None = None,
         headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
         window: int = 2,
+        read_ahead_bytes: int | None = None,
     ):
+        if read_ahead_bytes is not None:
+            check_read_ahead(read_ahead_bytes)
         if memory_limit == "auto":
             memory_limit = process_memory_limit()
         for param, value in (
@@ -147,6 +162,8 @@ class Budget(CachePolicy):
         charges = sizes
         self.memory_limit = memory_limit
         self._reserve = window * store.pool.slab_bytes + store.stream_bytes + headroom_bytes
+        self._headroom = headroom_bytes
+        self._read_ahead = READ_AHEAD_BYTES if read_ahead_bytes is None else read_ahead_bytes
         #: bytes of page cache the frames may use (None without ``memory_limit``)
         self.page_cache_room: int | None = None
         #: the layers whose compressed frames stay in the page cache between passes
@@ -176,12 +193,15 @@ class Budget(CachePolicy):
     def _plan_page_cache(self) -> int:
         """Measure what the process holds now and choose the frames kept in the page
         cache (``cached_frames``; the others are dropped once decoded) in what the limit
-        leaves of it less the reserve. Returns that room (``page_cache_room``). Nothing is
-        pinned where frames are dropped, so every layer's frames are read each pass."""
+        leaves of it less the reserve (and, where frames are dropped, less what the bytes
+        read ahead of their decode exceed the headroom by). Returns that room (``page_cache_room``). Nothing is pinned
+        where frames are dropped, so every layer's frames are read each pass."""
         held = resident_bytes(frame_addresses(self.store))
-        self.page_cache_room = room = max(0, self.memory_limit - held - self._reserve)
+        room = max(0, self.memory_limit - held - self._reserve)
         dropped: set[str] = set()
         if room < self._mapped_bytes():
+            # The dropped frames read ahead: page cache, counted in the headroom first.
+            room = max(0, room - max(0, self._read_ahead - self._headroom))
             encoded = self.store.encoded
             first: dict[int, str] = {}  # a tie's layers share their frames: one name each
             for n, e in encoded.items():
@@ -191,7 +211,16 @@ class Budget(CachePolicy):
             dropped = {n for n, e in encoded.items() if id(e) not in kept and e.file_backed_bytes}
         self._dropped = frozenset(dropped)
         self.cached_frames = frozenset(self.store.encoded) - self._dropped
+        self.page_cache_room = room
+        self._stream.read_ahead_bytes = self._read_ahead if dropped else 0
+        self._stream.read_ahead_names = self._dropped
         return room
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """Compressed bytes of dropped frames read ahead of their decode (0 where every
+        frame stays cached)."""
+        return self._stream.read_ahead_bytes
 
     def on_pass_start(self, index: int) -> None:
         if index == REPLAN_PASS and self._replan:

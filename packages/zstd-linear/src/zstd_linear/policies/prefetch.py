@@ -6,12 +6,19 @@ thread decodes layers in first-use order, cyclically (the end of one pass prefet
 the start of the next), keeping at most ``window`` weights decoded or decoding; each
 weight is freed right after its last call in the pass. A pass whose calls leave the
 recorded sequence drains the window, finishes on demand, and is recorded afresh.
+
+With ``read_ahead_bytes``, the compressed frames of the layers after those decoding are
+asked from their file ahead (``BackingStore.will_need``), up to that many bytes past the
+last layer handed to the thread: where frames are read from storage at every pass (under
+a hard memory limit, ``Budget``), the device then reads the next layers while this one
+decodes and the model computes, instead of idling until the next decode faults its
+frames in one after another.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -22,15 +29,30 @@ from zstd_linear.policies.base import BackingStore, CachePolicy
 
 class PerPassPrefetch(CachePolicy):
     """window: int >= 1, the most weights decoded (or decoding) at once, including the
-    one in use; 2 overlaps one decode with one layer's compute."""
+    one in use; 2 overlaps one decode with one layer's compute. read_ahead_bytes: int >=
+    0, compressed bytes of file-backed frames asked from storage ahead of the window (0:
+    none; see the module's docstring); each layer is asked once a pass, in the recorded
+    order, the next one only once the bytes asked but not yet handed to the decode thread
+    leave room for it."""
 
     name = "per_pass_prefetch"
 
-    def __init__(self, store: BackingStore, window: int = 2):
+    def __init__(self, store: BackingStore, window: int = 2, read_ahead_bytes: int = 0):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ZstdLinearError(f"window must be an int >= 1, got {window!r}")
+        check_read_ahead(read_ahead_bytes)
         super().__init__(store)
         self.window = window
+        self.read_ahead_bytes = read_ahead_bytes
+        #: the layers read ahead (None: every layer with file-backed frames; ``Budget``
+        #: names the ones whose frames it does not keep cached)
+        self.read_ahead_names: frozenset[str] | None = None
+        # Read-ahead positions count layers handed out since the sequence was adopted
+        # (position p is _order[p % len(_order)]): _handed layers went to the thread,
+        # _asked were asked from storage, _ahead holds (position, bytes) of those asked
+        # and not yet handed.
+        self._handed = self._asked = self._ahead_bytes = 0
+        self._ahead: deque[tuple[int, int]] = deque()
         self._sequence: list[str] | None = None  # layer calls of one pass, in order
         self._last_use: list[bool] = []  # per call: the layer's last call in the pass
         self._order: list[str] = []  # layers by first use
@@ -68,6 +90,8 @@ class PerPassPrefetch(CachePolicy):
         self._last_use = [last[name] == i for i, name in enumerate(sequence)]
         self._order = list(dict.fromkeys(sequence))
         self._next = 0
+        self._handed = self._asked = self._ahead_bytes = 0
+        self._ahead.clear()
 
     def _forget(self) -> None:
         self._drain()
@@ -97,6 +121,30 @@ class PerPassPrefetch(CachePolicy):
                 return  # window wider than the model: everything is already there
             self._pending[name] = self._executor.submit(self._decode, name)
             self._next = (self._next + 1) % len(self._order)
+            self._handed += 1
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Ask for the frames of the layers after the last one handed out, in the
+        recorded order, while they fit ``read_ahead_bytes`` with those asked before."""
+        if not self.read_ahead_bytes:
+            return
+        while self._ahead and self._ahead[0][0] < self._handed:
+            self._ahead_bytes -= self._ahead.popleft()[1]
+        self._asked = max(self._asked, self._handed)
+        n = len(self._order)
+        while self._asked < self._handed + n:  # at most one pass ahead
+            name = self._order[self._asked % n]
+            only = self.read_ahead_names
+            size = self.store.encoded[name].file_backed_bytes
+            size = size if only is None or name in only else 0
+            if size and self._ahead_bytes + size > self.read_ahead_bytes:
+                return
+            if size:
+                self.store.will_need(name)
+                self._ahead.append((self._asked, size))
+                self._ahead_bytes += size
+            self._asked += 1
 
     def acquire(self, name: str) -> torch.Tensor:
         if self._sequence is None:
@@ -140,3 +188,13 @@ class PerPassPrefetch(CachePolicy):
             self.store.pool.release_slab(slab)
         self._on_demand.clear()
         self._executor.shutdown(wait=True)
+
+
+def check_read_ahead(read_ahead_bytes) -> None:
+    """ZstdLinearError unless ``read_ahead_bytes`` is an int >= 0."""
+    if (
+        isinstance(read_ahead_bytes, bool)
+        or not isinstance(read_ahead_bytes, int)
+        or read_ahead_bytes < 0
+    ):
+        raise ZstdLinearError(f"read_ahead_bytes must be an int >= 0, got {read_ahead_bytes!r}")
