@@ -33,8 +33,9 @@ REPLAN_PASS = 2
 #: Compressed bytes read ahead where frames are dropped (``Budget``'s read_ahead_bytes
 #: None). SmolLM2 stacked under 480 MiB read at 200 MB/s (tokens/s, MiB read a token;
 #: 2026-12-07): none 0.88-1.01, 135-136; 1 MiB 1.07-1.23, 137; 2 MiB 1.13-1.27,
-#: 139-142; 4 MiB 1.21-1.24, 140; 8 MiB 1.14-1.17, 146-151 (pages read ahead were
-#: evicted before their decode and read again).
+#: 139-142; 4 MiB 0.98-1.24 (seven runs, median 1.09), 136-140; 8 MiB 1.14-1.17,
+#: 146-151 (pages read ahead were evicted before their decode and read again). Runs of
+#: one setting move 10-25% here; 1-2 runs each but 4 MiB.
 READ_AHEAD_BYTES = 4 << 20
 
 
@@ -194,8 +195,9 @@ class Budget(CachePolicy):
         """Measure what the process holds now and choose the frames kept in the page
         cache (``cached_frames``; the others are dropped once decoded) in what the limit
         leaves of it less the reserve (and, where frames are dropped, less what the bytes
-        read ahead of their decode exceed the headroom by). Returns that room (``page_cache_room``). Nothing is pinned
-        where frames are dropped, so every layer's frames are read each pass."""
+        read ahead of their decode exceed the headroom by). Returns that room
+        (``page_cache_room``). Nothing is pinned where frames are dropped, so every
+        layer's frames are read each pass."""
         held = resident_bytes(frame_addresses(self.store))
         room = max(0, self.memory_limit - held - self._reserve)
         dropped: set[str] = set()
