@@ -86,6 +86,8 @@ class ModelRuntime:
         own = [lyr for lyr in layers.values() if id(lyr.encoded) not in tied] or layers.values()
         self.pool = BufferPool(max(lyr.encoded.original_bytes for lyr in own), self.stats)
         self._stream_buffer: torch.Tensor | None = None  # uint8, reused by streamed layers
+        # name -> ends[k], the file bytes of a streamed layer's groups 0..k-1 (its read-ahead)
+        self._stream_ends: dict[str, list[int]] = {}
         self._stats_lock = threading.Lock()
         self._store = BackingStore(
             pool=self.pool,
@@ -176,8 +178,10 @@ class ModelRuntime:
         # Frames not kept cached: the groups after the one decoding are asked from
         # storage, up to the policy's read_ahead_bytes of compressed bytes ahead.
         ahead = self.policy.read_ahead_bytes if page_out else 0
-        # ends[k]: file bytes of groups 0..k-1
-        ends = [0, *accumulate(_span_file_bytes(encoded, s) for s in spans)] if ahead else []
+        ends = self._stream_ends.get(name) if ahead else None
+        if ahead and ends is None:  # once per layer: the frames do not change
+            sizes = (_span_file_bytes(encoded, s) for s in spans)
+            ends = self._stream_ends[name] = [0, *accumulate(sizes)]
         asked = 1  # groups asked for: the first is asked by its own decode
         for j, span in enumerate(spans):
             if ahead:

@@ -132,10 +132,9 @@ class PerPassPrefetch(CachePolicy):
         while self._ahead and self._ahead[0][0] < self._handed:
             self._ahead_bytes -= self._ahead.popleft()[1]
         self._asked = max(self._asked, self._handed)
-        n = len(self._order)
+        n, only = len(self._order), self.read_ahead_names
         while self._asked < self._handed + n:  # at most one pass ahead
             name = self._order[self._asked % n]
-            only = self.read_ahead_names
             size = self.store.encoded[name].file_backed_bytes
             size = size if only is None or name in only else 0
             if size and self._ahead_bytes + size > self.read_ahead_bytes:
